@@ -1,0 +1,7 @@
+"""hf_elixir: automatic memory planning and a chunk-based sharded runtime for HF causal LMs."""
+
+from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError
+
+__version__ = "0.1.0"
+
+__all__ = ["ChunkPlan", "ElixirPlan", "PlanError", "__version__"]

@@ -1,0 +1,326 @@
+"""ElixirPlan: the versioned record of every memory decision the runtime executes.
+
+The planner (``hf_elixir.plan.search``) produces plans; the runtime (``hf_elixir.runtime``)
+only reads them. Keeping the plan a plain, JSON-serialisable dataclass means a plan can be
+made on a laptop for hardware one does not have, inspected, edited, stored beside a
+checkpoint and replayed exactly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Literal
+
+import torch
+from torch import nn
+
+PLAN_FORMAT_VERSION = 1
+
+Placement = Literal["device", "cpu"]
+_PLACEMENTS = ("device", "cpu")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPE_ALIASES = {
+    "fp32": "float32", "float32": "float32", "float": "float32",
+    "bf16": "bfloat16", "bfloat16": "bfloat16",
+    "fp16": "float16", "float16": "float16", "half": "float16",
+}
+
+
+class PlanError(ValueError):
+    """A plan is invalid for this model, or no plan fits the memory available."""
+
+
+def canonical_dtype(dtype: str | torch.dtype) -> str:
+    """Return the plan's spelling ("float32", "bfloat16", "float16") of a dtype or alias."""
+    if isinstance(dtype, torch.dtype):
+        for name, value in _DTYPES.items():
+            if value == dtype:
+                return name
+        raise PlanError(f"unsupported compute dtype {dtype}; use float32, bfloat16 or float16")
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in _DTYPE_ALIASES:
+        raise PlanError(f"unsupported compute dtype {dtype!r}; use one of fp32, bf16, fp16")
+    return _DTYPE_ALIASES[key]
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters that chunks hold: those needing gradients, each once (tied ones once)."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def model_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """A short digest of parameter names and shapes, to recognise a plan made for another model."""
+    h = hashlib.sha256()
+    for name, p in named_params:
+        h.update(f"{name}:{tuple(p.shape)};".encode())
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class ChunkPlan:
+    """One chunk: the parameters it packs, in order, and where its state lives."""
+
+    params: list[str]
+    optim_placement: Placement = "device"
+    param_placement: Placement = "device"
+
+
+@dataclass
+class ElixirPlan:
+    """Everything the runtime needs to shard, cache and offload one model.
+
+    Attributes:
+        world_size: number of ranks the chunks are sharded over.
+        chunk_size: elements per chunk (every chunk has this capacity; divisible by world_size).
+        chunks: the chunks in fetch order, each a list of parameter names.
+        compute_dtype: dtype of parameters in forward/backward ("float32", "bfloat16", "float16").
+        rcache_blocks: device blocks of chunk_size elements that hold gathered chunks.
+        activation_checkpointing: recompute activations in backward.
+        prefetch_depth: how many upcoming chunks are gathered ahead of use.
+        fetch_units: module names whose whole subtree is fetched as one unit (dynamic control
+            flow inside, e.g. mixture-of-experts blocks), so that every rank issues the same
+            collectives whatever its routing.
+        signature: digest of the trainable parameters' names and shapes (see model_signature).
+        predictions: optional figures from the planner (peak bytes by category, step time).
+        alternatives: optional runner-up candidates with the reason they lost.
+    """
+
+    world_size: int
+    chunk_size: int
+    chunks: list[ChunkPlan]
+    compute_dtype: str = "float32"
+    rcache_blocks: int = 0
+    activation_checkpointing: bool = False
+    prefetch_depth: int = 1
+    fetch_units: list[str] = field(default_factory=list)
+    signature: str = ""
+    predictions: dict[str, Any] = field(default_factory=dict)
+    alternatives: list[dict[str, Any]] = field(default_factory=list)
+    version: int = PLAN_FORMAT_VERSION
+
+    # ------------------------------------------------------------------ derived views
+    @property
+    def n_chunks(self) -> int:
+        return len(self.chunks)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return _DTYPES[self.compute_dtype]
+
+    @property
+    def shard_size(self) -> int:
+        return self.chunk_size // self.world_size
+
+    def param_names(self) -> list[str]:
+        return [name for chunk in self.chunks for name in chunk.params]
+
+    def offload_fraction(self) -> float:
+        """Fraction of chunks whose optimizer state lives in CPU memory."""
+        if not self.chunks:
+            return 0.0
+        return sum(c.optim_placement == "cpu" for c in self.chunks) / len(self.chunks)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def simple(
+        cls,
+        model: nn.Module,
+        world_size: int = 1,
+        chunk_size: int | None = None,
+        rcache_blocks: int | None = None,
+        offload_fraction: float = 0.0,
+        offload_params: bool = False,
+        compute_dtype: str | torch.dtype = "float32",
+        activation_checkpointing: bool = False,
+        prefetch_depth: int = 1,
+        fetch_units: list[str] | None = None,
+    ) -> "ElixirPlan":
+        """A valid plan without search: parameters packed greedily in module order.
+
+        chunk_size defaults to the largest parameter (rounded up to a multiple of world_size);
+        rcache_blocks defaults to every chunk (nothing is ever re-gathered); the last
+        ``offload_fraction`` of chunks keep their optimizer state on the CPU (the first
+        chunks are used first in backward's last stretch, so offloading the tail first
+        overlaps best); ``offload_params`` also places those chunks' parameter shards on CPU.
+        """
+        if world_size < 1:
+            raise PlanError(f"world_size must be >= 1, got {world_size}")
+        if not 0.0 <= offload_fraction <= 1.0:
+            raise PlanError(f"offload_fraction must be within [0, 1], got {offload_fraction}")
+        named = trainable_parameters(model)
+        if not named:
+            raise PlanError("the model has no parameters that require gradients; nothing to shard")
+        largest = max(p.numel() for _, p in named)
+        if chunk_size is None:
+            chunk_size = largest
+        chunk_size = -(-chunk_size // world_size) * world_size
+        if chunk_size < largest:
+            biggest = max(named, key=lambda kv: kv[1].numel())[0]
+            raise PlanError(
+                f"chunk_size {chunk_size} is smaller than parameter {biggest!r} "
+                f"({largest} elements); use chunk_size >= {largest}"
+            )
+        groups: list[list[str]] = []
+        used = chunk_size
+        for name, p in named:
+            if used + p.numel() > chunk_size:
+                groups.append([])
+                used = 0
+            groups[-1].append(name)
+            used += p.numel()
+        n_off = round(len(groups) * offload_fraction)
+        chunks = [
+            ChunkPlan(
+                params=g,
+                optim_placement="cpu" if i >= len(groups) - n_off else "device",
+                param_placement="cpu" if offload_params and i >= len(groups) - n_off else "device",
+            )
+            for i, g in enumerate(groups)
+        ]
+        if fetch_units is None:
+            fetch_units = detect_fetch_units(model)
+        return cls(
+            world_size=world_size,
+            chunk_size=chunk_size,
+            chunks=chunks,
+            compute_dtype=canonical_dtype(compute_dtype),
+            rcache_blocks=len(chunks) if rcache_blocks is None else rcache_blocks,
+            activation_checkpointing=activation_checkpointing,
+            prefetch_depth=prefetch_depth,
+            fetch_units=fetch_units,
+            signature=model_signature(named),
+        )
+
+    # ------------------------------------------------------------------ validation
+    def validate(self, model: nn.Module | None = None, world_size: int | None = None) -> None:
+        """Raise PlanError, saying what to change, if this plan cannot run (on this model)."""
+        if self.version > PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"plan format version {self.version} is newer than this hf_elixir understands "
+                f"({PLAN_FORMAT_VERSION}); upgrade hf_elixir"
+            )
+        if self.world_size < 1:
+            raise PlanError(f"world_size must be >= 1, got {self.world_size}")
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"the plan was made for world size {self.world_size} but the process group has "
+                f"{world_size} ranks; make a plan for {world_size} ranks"
+            )
+        if self.chunk_size <= 0 or self.chunk_size % self.world_size:
+            raise PlanError(
+                f"chunk_size {self.chunk_size} is not a positive multiple of the world size "
+                f"{self.world_size}; round it up to {-(-max(self.chunk_size, 1) // self.world_size) * self.world_size}"
+            )
+        canonical_dtype(self.compute_dtype)
+        if self.rcache_blocks < 1:
+            raise PlanError(f"rcache_blocks must be >= 1, got {self.rcache_blocks}")
+        if self.prefetch_depth < 0:
+            raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        for i, c in enumerate(self.chunks):
+            if c.optim_placement not in _PLACEMENTS or c.param_placement not in _PLACEMENTS:
+                raise PlanError(f"chunk {i}: placements must be one of {_PLACEMENTS}")
+        seen: dict[str, int] = {}
+        for i, c in enumerate(self.chunks):
+            if not c.params:
+                raise PlanError(f"chunk {i} is empty; remove it from the plan")
+            for name in c.params:
+                if name in seen:
+                    raise PlanError(
+                        f"parameter {name!r} appears twice in the plan (chunks {seen[name]} and {i}); "
+                        "each parameter must be in exactly one chunk"
+                    )
+                seen[name] = i
+        if model is None:
+            return
+        named = dict(trainable_parameters(model))
+        missing = [n for n in seen if n not in named]
+        if missing:
+            raise PlanError(
+                f"the plan names parameters the model does not have (or that do not require "
+                f"grad): {missing[:5]}{' ...' if len(missing) > 5 else ''}; the plan was made "
+                "for another model: make a new plan for this one"
+            )
+        absent = [n for n in named if n not in seen]
+        if absent:
+            raise PlanError(
+                f"the plan leaves out trainable parameters {absent[:5]}"
+                f"{' ...' if len(absent) > 5 else ''}; make a new plan for this model"
+            )
+        if self.signature and self.signature != model_signature(trainable_parameters(model)):
+            raise PlanError(
+                "the plan was made for a model whose parameter shapes differ from this one; "
+                "make a new plan for this model"
+            )
+        for i, c in enumerate(self.chunks):
+            total = sum(named[n].numel() for n in c.params)
+            if total > self.chunk_size:
+                raise PlanError(
+                    f"chunk {i} holds {total} elements, more than chunk_size {self.chunk_size}; "
+                    "raise chunk_size or split the chunk"
+                )
+        modules = dict(model.named_modules())
+        unknown = [u for u in self.fetch_units if u not in modules]
+        if unknown:
+            raise PlanError(f"fetch_units name modules the model does not have: {unknown}")
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ElixirPlan":
+        data = dict(data)
+        version = int(data.get("version", PLAN_FORMAT_VERSION))
+        if version > PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"plan format version {version} is newer than this hf_elixir understands "
+                f"({PLAN_FORMAT_VERSION}); upgrade hf_elixir"
+            )
+        data["chunks"] = [ChunkPlan(**c) for c in data.get("chunks", [])]
+        known = set(cls.__dataclass_fields__)
+        extra = set(data) - known
+        if extra:
+            raise PlanError(f"unknown plan fields {sorted(extra)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None, indent: int = 1) -> str:
+        text = json.dumps(self.to_dict(), indent=indent)
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "ElixirPlan":
+        """Read a plan from a JSON string or from a file path."""
+        text = str(text_or_path)
+        if not text.lstrip().startswith("{"):
+            text = Path(text_or_path).read_text()
+        return cls.from_dict(json.loads(text))
+
+    def digest(self) -> str:
+        """Digest of the decisions (not the predictions): equal digests shard identically."""
+        core = self.to_dict()
+        core.pop("predictions", None)
+        core.pop("alternatives", None)
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def detect_fetch_units(model: nn.Module) -> list[str]:
+    """Modules whose children run data-dependently: mixture-of-experts blocks.
+
+    A block with a ``ModuleList`` of experts runs only the experts its router picks, and the
+    pick differs between ranks. Fetching the whole block as one unit keeps every rank's
+    sequence of collectives identical. Fused-expert blocks (one 3-D parameter for all
+    experts) are static and need no unit.
+    """
+    units: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == u or name.startswith(u + ".") for u in units):
+            continue
+        experts = getattr(module, "experts", None)
+        if isinstance(experts, nn.ModuleList) and len(experts) > 1:
+            units.append(name)
+    return units
