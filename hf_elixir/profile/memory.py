@@ -1,0 +1,284 @@
+"""Activation and temporary memory over one training step, measured by following storages.
+
+A ``TorchDispatchMode`` sees every tensor an operator returns. ``LiveStorageTracker``
+remembers each new untyped storage (by a weak reference, so it never keeps one alive) and
+its ``nbytes``; when the storage dies the weak-reference callback subtracts it. The running
+total is the bytes of activations and temporaries alive at that instant; its maximum is the
+peak. Storages that existed before the step (parameters, buffers, the batch) are excluded,
+and views share their base's storage so they are never counted twice.
+
+The same tracker works on the meta device (the planner: nothing is allocated, ``nbytes``
+is still exact) and on a real device (the accuracy test compares the two).
+
+Two details keep meta faithful to a real run:
+
+- ``scaled_dot_product_attention`` is a composite operator that picks a fused kernel by
+  device. On meta it would decompose into the math path and materialise the full attention
+  matrix, which a real CPU or GPU run never does. ``SDPAKernelMode`` asks PyTorch which
+  kernel the target device would pick and calls that kernel directly (its meta
+  implementation gives the real output and log-sum-exp shapes).
+- Data-dependent reads (``tensor.item()``, ``bool(tensor)``) are impossible on meta; the
+  tracker answers them with neutral values (``True`` for booleans, ``0`` for numbers), which
+  selects the common path in Transformers (no packed sequences, no padding).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+try:  # the FLOP formulas PyTorch's own FlopCounterMode uses
+    from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
+except Exception:  # pragma: no cover - very old torch
+    _FLOP_REGISTRY = {}
+
+_LOCAL_SCALAR = torch.ops.aten._local_scalar_dense.default
+
+
+def _storage_key(storage: torch.UntypedStorage) -> int:
+    # ``_cdata`` is the address of the C++ StorageImpl: stable for the storage's lifetime and
+    # shared by every Python handle and view of it (meta storages have no data pointer).
+    return storage._cdata
+
+
+class LiveStorageTracker(TorchDispatchMode):
+    """Counts the bytes of storages created while active and still alive.
+
+    Attributes:
+        current: bytes alive now.
+        peak: the largest ``current`` seen.
+        flops: matmul/convolution FLOPs of the operators seen (PyTorch's flop formulas).
+        marks: named snapshots of ``current`` and ``peak`` (see ``mark``).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = (), count_flops: bool = True):
+        super().__init__()
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._excluded: set[int] = set()
+        self._exclude_refs: list[torch.UntypedStorage] = []
+        for t in exclude:
+            self.exclude(t)
+        self.current = 0
+        self.peak = 0
+        self.flops = 0
+        self.count_flops = count_flops
+        self.marks: dict[str, tuple[int, int]] = {}
+        self.on_flops: Callable[[int], None] | None = None
+
+    def exclude(self, tensor: torch.Tensor) -> None:
+        """Never count this tensor's storage (it existed before the step)."""
+        st = tensor.untyped_storage()
+        self._exclude_refs.append(st)  # keep the key from being reused while we run
+        self._excluded.add(_storage_key(st))
+
+    def reset_peak(self) -> None:
+        self.peak = self.current
+
+    def mark(self, name: str) -> None:
+        self.marks[name] = (self.current, self.peak)
+
+    # ------------------------------------------------------------------ internals
+    def _track(self, t: torch.Tensor) -> None:
+        try:
+            st = t.untyped_storage()
+        except Exception:  # tensors without storage (sparse, nested): ignore
+            return
+        key = _storage_key(st)
+        if key in self._live or key in self._excluded:
+            return
+        nbytes = st.nbytes()
+        live = self._live
+
+        def _died(_ref, key=key, nbytes=nbytes, tracker=self):
+            if live.pop(key, None) is not None:
+                tracker.current -= nbytes
+
+        live[key] = (weakref.ref(st, _died), nbytes)
+        self.current += nbytes
+        if self.current > self.peak:
+            self.peak = self.current
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _LOCAL_SCALAR and args and isinstance(args[0], torch.Tensor) and args[0].is_meta:
+            x = args[0]
+            if x.dtype == torch.bool:
+                return True
+            return 0.0 if (x.is_floating_point() or x.is_complex()) else 0
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t)
+        if self.count_flops and _FLOP_REGISTRY:
+            fn = _FLOP_REGISTRY.get(func._overloadpacket)
+            if fn is not None:
+                try:
+                    n = int(fn(*args, **kwargs, out_val=out))
+                except Exception:
+                    n = 0
+                self.flops += n
+                if self.on_flops is not None:
+                    self.on_flops(n)
+        return out
+
+
+# ---------------------------------------------------------------------- attention kernels
+_MATH, _FLASH, _EFFICIENT, _CUDNN = 0, 1, 2, 3
+
+
+def _sdp_choice(target: str, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> int:
+    """The fused kernel ``target`` ("cpu" or "cuda") would pick for tensors like these."""
+    if target == "cuda" and not torch.cuda.is_available():
+        # Planning for a GPU we do not have: flash for half precision without a mask,
+        # memory-efficient attention otherwise; both keep O(S) extra memory.
+        if attn_mask is None and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256:
+            return _FLASH
+        return _EFFICIENT
+    device = "cuda" if target == "cuda" else "cpu"
+
+    def proxy(t):
+        if t is None:
+            return None
+        # One row of real memory expanded to the full shape: right dtype, shape and
+        # last-dimension stride for the kernel checks, without allocating the tensor.
+        return torch.empty(t.shape[-1], dtype=t.dtype, device=device).expand(t.shape)
+
+    try:
+        return int(torch._fused_sdp_choice(
+            proxy(q), proxy(k), proxy(v), attn_mask=proxy(attn_mask), dropout_p=dropout_p,
+            is_causal=is_causal, scale=scale, enable_gqa=enable_gqa,
+        ))
+    except Exception:
+        return _MATH
+
+
+class SDPAKernelMode(TorchFunctionMode):
+    """Route meta ``scaled_dot_product_attention`` to the fused kernel the target would use."""
+
+    def __init__(self, target: str = "cpu"):
+        super().__init__()
+        self.target = target
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            q = args[0] if args else kwargs.get("query")
+            if isinstance(q, torch.Tensor) and q.is_meta:
+                out = self._fused(*args, **kwargs)
+                if out is not None:
+                    return out
+        return func(*args, **kwargs)
+
+    def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+               scale=None, enable_gqa=False):
+        choice = _sdp_choice(self.target, query, key, value, attn_mask, dropout_p, is_causal,
+                             scale, enable_gqa)
+        if choice not in (_FLASH, _EFFICIENT, _CUDNN):
+            return None
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            rep = query.shape[-3] // key.shape[-3]
+            key = key.repeat_interleave(rep, dim=-3)
+            value = value.repeat_interleave(rep, dim=-3)
+        aten = torch.ops.aten
+        try:
+            if self.target == "cpu" and choice == _FLASH:
+                return aten._scaled_dot_product_flash_attention_for_cpu(
+                    query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
+            if choice == _FLASH and attn_mask is None:
+                return aten._scaled_dot_product_flash_attention(
+                    query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            bias = attn_mask
+            if bias is not None and bias.dtype == torch.bool:
+                bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device)
+            return aten._scaled_dot_product_efficient_attention(
+                query, key, value, bias, True, dropout_p, is_causal, scale=scale)[0]
+        except Exception:
+            return None
+
+
+# ---------------------------------------------------------------------- one step
+@dataclass
+class StepMemory:
+    """Live activation/temporary bytes over one forward+backward (parameters excluded).
+
+    Attributes:
+        peak: the largest bytes alive at any instant of the step.
+        forward_peak: the largest bytes alive during forward.
+        saved: bytes alive when forward returns (what backward needs, plus the loss/logits).
+        flops: matmul FLOPs of the whole step (recomputation included).
+        forward_flops: matmul FLOPs of the forward alone.
+    """
+
+    peak: int
+    forward_peak: int
+    saved: int
+    flops: int
+    forward_flops: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def loss_of(output: Any) -> torch.Tensor:
+    """The scalar to call backward on: the model's loss, else a sum of its first output."""
+    loss = getattr(output, "loss", None)
+    if loss is None and isinstance(output, dict):
+        loss = output.get("loss")
+    if loss is None:
+        first = output[0] if isinstance(output, (tuple, list)) else getattr(output, "logits", output)
+        loss = first.float().sum()
+    return loss
+
+
+def run_step(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    attention_target: str | None = None,
+    on_forward_done: Callable[[], None] | None = None,
+    on_backward_start: Callable[[], None] | None = None,
+    tracker: LiveStorageTracker | None = None,
+) -> StepMemory:
+    """Run one forward and backward under a live-storage tracker and report its memory.
+
+    Gradients are dropped as soon as they are accumulated, because the runtime moves each
+    gradient into its chunk's buffer (a separate, planned category), so they are not
+    activations. ``attention_target`` ("cpu"/"cuda") routes meta attention to the fused kernel
+    that device would run; it is ignored for real tensors.
+    """
+    params = [p for p in model.parameters()]
+    handles = [
+        p.register_post_accumulate_grad_hook(_drop_grad) for p in params if p.requires_grad
+    ]
+    exclude = params + list(model.buffers()) + [t for t in batch.values() if isinstance(t, torch.Tensor)]
+    tracker = tracker or LiveStorageTracker()
+    for t in exclude:
+        tracker.exclude(t)
+    try:
+        with ExitStack() as stack:
+            if attention_target is not None:
+                stack.enter_context(SDPAKernelMode(attention_target))
+            stack.enter_context(tracker)
+            output = model(**batch)
+            loss = loss_of(output)
+            forward_peak, saved, forward_flops = tracker.peak, tracker.current, tracker.flops
+            if on_forward_done is not None:
+                on_forward_done()
+            if on_backward_start is not None:
+                on_backward_start()
+            loss.backward()
+            del output, loss
+    finally:
+        for h in handles:
+            h.remove()
+    return StepMemory(peak=tracker.peak, forward_peak=forward_peak, saved=saved,
+                      flops=tracker.flops, forward_flops=forward_flops)
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None

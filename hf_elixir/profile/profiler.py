@@ -1,0 +1,266 @@
+"""``profile_model``: one traced forward+backward on the meta device, with and without
+activation checkpointing, giving everything the planner needs to know about the model."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_elixir.plan.plan import canonical_dtype, detect_fetch_units
+from hf_elixir.profile.memory import LiveStorageTracker, StepMemory, run_step
+from hf_elixir.profile.trace import (
+    ExecutionTracer,
+    Trace,
+    batch_shape,
+    build_meta_model,
+    make_batch,
+    module_parameters,
+    tied_parameters,
+)
+
+
+@dataclass
+class ParamInfo:
+    name: str
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class PassProfile:
+    """One traced step: its fetch trace and its activation memory."""
+
+    trace: Trace
+    memory: StepMemory
+
+
+@dataclass
+class ModelProfile:
+    """What the planner knows about a model and a batch shape.
+
+    Attributes:
+        params: trainable parameters (tied ones once), in ``named_parameters`` order.
+        tied: groups of names that are one parameter.
+        frozen_bytes: bytes of parameters that do not need gradients (kept whole on the
+            device by the runtime, in the compute dtype).
+        buffer_bytes: bytes of buffers (kept whole on the device).
+        fetch_units: modules fetched as one unit (mixture-of-experts blocks).
+        plain: the step without activation checkpointing.
+        checkpointed: the step with activation checkpointing, or None when the model does not
+            support it.
+        batch_size, seq_len: the profiled (per-rank) batch shape.
+        dtype: the compute dtype the memory was measured in.
+        attention_target: which device's attention kernels were assumed ("cpu"/"cuda").
+        seconds: how long profiling took.
+    """
+
+    params: list[ParamInfo]
+    tied: list[list[str]]
+    frozen_bytes: int
+    buffer_bytes: int
+    fetch_units: list[str]
+    plain: PassProfile
+    checkpointed: PassProfile | None
+    batch_size: int
+    seq_len: int
+    dtype: str
+    attention_target: str
+    model_name: str = ""
+    seconds: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def n_params(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    @property
+    def largest_param(self) -> ParamInfo:
+        return max(self.params, key=lambda p: p.numel)
+
+    def step(self, checkpointing: bool) -> PassProfile:
+        if checkpointing:
+            if self.checkpointed is None:
+                raise ValueError("this model does not support activation checkpointing")
+            return self.checkpointed
+        return self.plain
+
+    def activation_peak(self, checkpointing: bool) -> int:
+        """Peak bytes of activations and temporaries over the step."""
+        return self.step(checkpointing).memory.peak
+
+    def param_order(self) -> list[str]:
+        """Trainable parameters in forward first-use order (the packing order)."""
+        return self.plain.trace.first_use_order(p.name for p in self.params)
+
+    def summary(self) -> str:
+        gib = 2**30
+        lines = [
+            f"model {self.model_name}: {self.n_params / 1e6:.1f}M trainable parameters, "
+            f"batch {self.batch_size} x {self.seq_len}, {self.dtype}",
+            f"  activations+temporaries peak: {self.plain.memory.peak / gib:.3f} GiB without "
+            "checkpointing"
+            + (
+                f", {self.checkpointed.memory.peak / gib:.3f} GiB with"
+                if self.checkpointed is not None else " (checkpointing unsupported)"
+            ),
+            f"  step FLOPs: {self.plain.memory.flops / 1e12:.2f} TFLOP; profiled in {self.seconds:.2f} s",
+        ]
+        return "\n".join(lines)
+
+
+def _supports_checkpointing(model: nn.Module) -> bool:
+    return bool(getattr(model, "supports_gradient_checkpointing", False)) and (
+        hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
+    )
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """Turn on the model's own (non-reentrant) activation checkpointing."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def disable_checkpointing(model: nn.Module) -> None:
+    if hasattr(model, "activation_checkpointing_disable"):
+        model.activation_checkpointing_disable()
+    elif hasattr(model, "gradient_checkpointing_disable"):
+        model.gradient_checkpointing_disable()
+
+
+def trace_step(
+    model: nn.Module,
+    batch: dict[str, torch.Tensor],
+    fetch_units: list[str],
+    attention_target: str | None,
+) -> PassProfile:
+    """Run one step of ``model`` (meta or real) under the tracer and the storage tracker."""
+    tracer = ExecutionTracer(model, fetch_units)
+    tracker = LiveStorageTracker()
+    tracker.on_flops = tracer.add_flops
+
+    def backward_begins():
+        tracer.in_backward = True
+
+    with tracer:
+        mem = run_step(model, batch, attention_target=attention_target,
+                       on_backward_start=backward_begins, tracker=tracker)
+    trace = tracer.trace
+    # a module whose output never received a gradient is still fetched for its backward
+    seen_bwd = {m for ph, m in trace.events if ph == "backward"}
+    fwd = [m for ph, m in trace.events if ph == "forward"]
+    for m in reversed(list(dict.fromkeys(fwd))):
+        if m not in seen_bwd:
+            trace.events.append(("backward", m))
+    return PassProfile(trace=trace, memory=mem)
+
+
+def profile_model(
+    model_or_config: Any,
+    example_batch: dict[str, torch.Tensor] | tuple[int, int],
+    dtype: str | torch.dtype = "float32",
+    attention_target: str = "cuda",
+    checkpointing: bool | None = None,
+    model_name: str = "",
+) -> ModelProfile:
+    """Profile one training step of a model on the meta device.
+
+    Args:
+        model_or_config: an ``nn.Module`` (never modified, never copied in real memory) or a
+            transformers config (``AutoModelForCausalLM.from_config`` on meta).
+        example_batch: a dict of tensors (only shapes and dtypes are used) or
+            ``(batch_size, seq_len)``; this is the per-rank micro-batch.
+        dtype: compute dtype of parameters and activations.
+        attention_target: "cuda" or "cpu": which device's fused attention kernels to assume.
+        checkpointing: profile only without (False) or only with (True) checkpointing;
+            None profiles both.
+    """
+    start = time.perf_counter()
+    dtype = canonical_dtype(dtype)
+    meta = build_meta_model(model_or_config, dtype)
+    meta.train()
+    if hasattr(meta, "config") and hasattr(meta.config, "use_cache"):
+        meta.config.use_cache = False
+    fetch_units = detect_fetch_units(meta)
+    vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
+    batch = make_batch(example_batch, vocab, device="meta")
+    bsz, seq = batch_shape(batch)
+    named = [(n, p) for n, p in meta.named_parameters() if p.requires_grad]
+    params = [ParamInfo(n, p.numel(), tuple(p.shape)) for n, p in named]
+    frozen = sum(p.numel() * p.element_size() for p in meta.parameters() if not p.requires_grad)
+    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+
+    plain = ckpt = None
+    if checkpointing is not True:
+        plain = trace_step(meta, batch, fetch_units, attention_target)
+    can_ckpt = _supports_checkpointing(meta)
+    if checkpointing is not False and can_ckpt:
+        enable_checkpointing(meta)
+        try:
+            ckpt = trace_step(meta, batch, fetch_units, attention_target)
+        finally:
+            disable_checkpointing(meta)
+    if plain is None:
+        plain = ckpt
+    if plain is None:
+        raise ValueError(f"{type(meta).__name__} does not support activation checkpointing")
+    if not model_name:
+        model_name = getattr(getattr(meta, "config", None), "_name_or_path", "") or type(meta).__name__
+    return ModelProfile(
+        params=params,
+        tied=tied_parameters(meta),
+        frozen_bytes=frozen,
+        buffer_bytes=buffers,
+        fetch_units=fetch_units,
+        plain=plain,
+        checkpointed=ckpt,
+        batch_size=bsz,
+        seq_len=seq,
+        dtype=dtype,
+        attention_target=attention_target,
+        model_name=model_name,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def measure_real_step(
+    model: nn.Module,
+    example_batch: dict[str, torch.Tensor] | tuple[int, int],
+    checkpointing: bool = False,
+) -> StepMemory:
+    """Run one real step of ``model`` where it lives and measure it with the same tracker.
+
+    This is the reference the meta profile is checked against. The model's checkpointing
+    setting is restored afterwards; gradients are dropped as in ``run_step``.
+    """
+    device = next(model.parameters()).device
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    batch = make_batch(example_batch, vocab, device=device)
+    was_training = model.training
+    model.train()
+    if checkpointing:
+        enable_checkpointing(model)
+    try:
+        return run_step(model, batch, attention_target=None)
+    finally:
+        if checkpointing:
+            disable_checkpointing(model)
+        model.train(was_training)
+
+
+__all__ = [
+    "ModelProfile",
+    "ParamInfo",
+    "PassProfile",
+    "enable_checkpointing",
+    "measure_real_step",
+    "module_parameters",
+    "profile_model",
+    "trace_step",
+]

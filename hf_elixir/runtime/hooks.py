@@ -1,0 +1,197 @@
+"""Module and parameter hooks: fetch before forward and backward, unpin after, hand off grads.
+
+For a module that owns chunked parameters:
+- pre-forward: fetch (gather and pin) its chunks; wrap its grad-requiring inputs in
+  ``_PostBackward`` so we learn when its backward is done;
+- post-forward: unpin; wrap its grad-requiring outputs in ``_PreBackward`` so its chunks are
+  fetched again before autograd runs its backward;
+- each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
+At the end of every backward (an autograd engine callback) leftover pins are dropped and
+the remaining chunks are reduce-scattered.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from hf_elixir.runtime.cache import RCache
+from hf_elixir.runtime.chunk import Chunk, Slot
+from hf_elixir.runtime.fetch import Fetcher
+from hf_elixir.runtime.reduce import GradReducer
+
+
+def in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+# ---------------------------------------------------------------------- pytree-light helpers
+def _collect(obj: Any, out: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            out.append(obj)
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _collect(item, out)
+    elif isinstance(obj, dict):
+        for item in obj.values():
+            _collect(item, out)
+
+
+def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return mapping.get(id(obj), obj)
+    if isinstance(obj, tuple):
+        items = [_replace(item, mapping) for item in obj]
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        return [_replace(item, mapping) for item in obj]
+    if isinstance(obj, dict):
+        if type(obj) is dict:
+            return {k: _replace(v, mapping) for k, v in obj.items()}
+        for k in list(obj.keys()):  # ModelOutput and friends: update in place
+            obj[k] = _replace(obj[k], mapping)
+        return obj
+    return obj
+
+
+def _wrap(fn: type[torch.autograd.Function], callback: Callable[[], None], obj: Any) -> Any:
+    tensors: list[torch.Tensor] = []
+    _collect(obj, tensors)
+    if not tensors:
+        return obj
+    unique = list({id(t): t for t in tensors}.values())
+    wrapped = fn.apply(callback, *unique)
+    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
+
+
+class _PreBackward(torch.autograd.Function):
+    """Identity on a module's outputs; its backward runs before the module's backward."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on a module's inputs; its backward runs after the module's backward."""
+
+    @staticmethod
+    def forward(ctx, callback, *tensors):
+        ctx.callback = callback
+        return tensors
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.callback()
+        return (None, *grads)
+
+
+@dataclass
+class _Call:
+    """One forward call of one fetch unit, followed through its backward."""
+
+    cids: list[int]
+    pinned: bool = False
+    done: bool = False
+
+
+@dataclass
+class HookManager:
+    root: nn.Module
+    units: dict[nn.Module, list[int]]
+    slots: Sequence[Slot]
+    slot_chunk: Sequence[Chunk]
+    fetcher: Fetcher
+    reducer: GradReducer
+    cache: RCache
+    handles: list = field(default_factory=list)
+    _open_calls: list[_Call] = field(default_factory=list)
+    _callback_queued: bool = False
+
+    # ------------------------------------------------------------------ install / remove
+    def install(self) -> None:
+        self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
+        for module, cids in self.units.items():
+            pre, post = self._make_pre_forward(cids)
+            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        for slot, chunk in zip(self.slots, self.slot_chunk):
+            self.handles.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot, chunk)))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+
+    # ------------------------------------------------------------------ forward
+    def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not in_backward():
+            self.cache.begin_pass(record=torch.is_grad_enabled() and module.training)
+
+    def _make_pre_forward(self, cids: list[int]):
+        stack: list[_Call] = []  # calls of this module still inside their forward
+
+        def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
+            self.fetcher.fetch(cids)
+            call = _Call(cids)
+            stack.append(call)
+            if torch.is_grad_enabled():
+                args, kwargs = _wrap(_PostBackward, lambda: self._post_backward(call), (args, kwargs))
+            return args, kwargs
+
+        def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
+            call = stack.pop()
+            self.fetcher.unpin(call.cids)
+            if torch.is_grad_enabled():
+                output = _wrap(_PreBackward, lambda: self._pre_backward(call), output)
+            return output
+
+        return pre_forward, post_forward
+
+    # ------------------------------------------------------------------ backward
+    def _ensure_end_callback(self) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _pre_backward(self, call: _Call) -> None:
+        self._ensure_end_callback()
+        if call.pinned:
+            return
+        self.fetcher.fetch(call.cids)
+        call.pinned = True
+        self._open_calls.append(call)
+
+    def _post_backward(self, call: _Call) -> None:
+        if call.pinned and not call.done:
+            call.done = True
+            self.fetcher.unpin(call.cids)
+
+    def _make_grad_hook(self, slot: Slot, chunk: Chunk):
+        reducer = self.reducer
+
+        def hook(param: torch.Tensor) -> None:
+            self._ensure_end_callback()
+            grad = param.grad
+            param.grad = None
+            if grad is not None:
+                reducer.on_grad(chunk, slot, grad)
+
+        return hook
+
+    def _end_backward(self) -> None:
+        self._callback_queued = False
+        for call in self._open_calls:
+            self._post_backward(call)
+        self._open_calls.clear()
+        self.reducer.end_backward()

@@ -1,0 +1,50 @@
+"""Byte accounting of what the runtime holds on the compute device, by category.
+
+Tests and the planner compare these figures with the plan's predictions, so they count
+exactly the tensors the runtime allocates (not allocator caches or RSS, which hide
+sharding savings behind reuse).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CATEGORIES = (
+    "param_shards",      # compute-dtype parameter shards placed on the device
+    "rcache",            # gathered chunks (at most rcache_blocks of them)
+    "grad_buffers",      # full-chunk gradients waiting to be reduce-scattered
+    "grad_shards",       # fp32 gradient shards on the device
+    "optimizer_state",   # fp32 master shards (when not aliased) and optimizer moments on the device
+    "temporary",         # short-lived gathers for state_dict and similar
+)
+
+
+@dataclass
+class MemoryLedger:
+    current: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    peak: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    peak_total: int = 0
+
+    def add(self, category: str, nbytes: int) -> None:
+        self.current[category] += nbytes
+        if self.current[category] > self.peak[category]:
+            self.peak[category] = self.current[category]
+        total = sum(self.current.values())
+        if total > self.peak_total:
+            self.peak_total = total
+
+    def sub(self, category: str, nbytes: int) -> None:
+        self.current[category] -= nbytes
+        assert self.current[category] >= 0, f"ledger underflow in {category}"
+
+    def reset_peak(self) -> None:
+        self.peak = dict(self.current)
+        self.peak_total = sum(self.current.values())
+
+    def report(self) -> dict:
+        return {
+            "current": dict(self.current),
+            "peak": dict(self.peak),
+            "current_total": sum(self.current.values()),
+            "peak_total": self.peak_total,
+        }

@@ -1,0 +1,322 @@
+"""ElixirModule: wraps a model so its parameters live in sharded chunks.
+
+The wrapped model keeps its own parameter objects, names and shapes; only where their data
+lives changes. Forward, backward, evaluation and ``generate()`` run the model's own code;
+hooks gather each chunk just before a module needs it (see hooks.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any, Iterator, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hf_elixir.plan.plan import ElixirPlan, PlanError
+from hf_elixir.runtime.cache import RCache
+from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
+from hf_elixir.runtime.comm import Collectives
+from hf_elixir.runtime.fetch import Fetcher
+from hf_elixir.runtime.hooks import HookManager
+from hf_elixir.runtime.ledger import MemoryLedger
+from hf_elixir.runtime.reduce import GradReducer
+
+_WRAPPED_ATTR = "_hf_elixir_wrapped"
+
+
+def default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+def _pin(t: torch.Tensor) -> torch.Tensor:
+    """Pinned host memory makes host<->device copies asynchronous; only meaningful with CUDA."""
+    return t.pin_memory() if torch.cuda.is_available() and t.device.type == "cpu" else t
+
+
+def _enable_activation_checkpointing(model: nn.Module) -> None:
+    kwargs = {"use_reentrant": False}  # reentrant checkpointing runs a nested backward
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+class ElixirModule(nn.Module):
+    """Shards ``model``'s trainable parameters into the chunks ``plan`` describes.
+
+    Args:
+        model: the model, with real parameters on the CPU (or the compute device).
+        plan: an ElixirPlan for this model and this world size.
+        process_group: the group to shard over (default: the default group, if any).
+        device: the compute device (default: the local CUDA device, else CPU).
+        sync_module_states: start every rank from rank 0's parameters and buffers.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        plan: ElixirPlan,
+        process_group: Optional[dist.ProcessGroup] = None,
+        device: Optional[torch.device] = None,
+        sync_module_states: bool = True,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"ElixirModule wraps an nn.Module, got {type(model).__name__}")
+        if isinstance(model, ElixirModule) or getattr(model, _WRAPPED_ATTR, False):
+            raise ValueError(
+                "this model is already wrapped by ElixirModule; wrap the original model once"
+            )
+        if not isinstance(plan, ElixirPlan):
+            raise TypeError(f"plan must be an ElixirPlan, got {type(plan).__name__}")
+        world_size = dist.get_world_size(process_group) if (
+            process_group is not None or (dist.is_available() and dist.is_initialized())
+        ) else 1
+        plan.validate(model, world_size=world_size)
+        if plan.activation_checkpointing and not (
+            hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
+        ):
+            raise PlanError(
+                f"the plan checkpoints activations but {type(model).__name__} has no "
+                "gradient_checkpointing_enable(); make a plan without activation checkpointing"
+            )
+        # ---- validated: from here on the model is changed
+        super().__init__()
+        self.module = model
+        self.plan = plan
+        self.device = torch.device(device) if device is not None else default_device()
+        self.comm = Collectives.create(process_group)
+        self.ledger = MemoryLedger()
+        self.dtype = plan.dtype
+        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        if plan.activation_checkpointing:
+            _enable_activation_checkpointing(model)
+        self._move_untracked(sync_module_states)
+        self.chunks, self.slots = self._build_chunks(sync_module_states)
+        self.slot_by_name = {s.name: s for s in self.slots}
+        self.cache = RCache(plan.rcache_blocks)
+        self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder)
+        self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots))
+        self.hooks = HookManager(
+            root=model,
+            units=self._fetch_units(),
+            slots=self.slots,
+            slot_chunk=[self.chunks[self._slot_chunk[s.index]] for s in self.slots],
+            fetcher=self.fetcher,
+            reducer=self.reducer,
+            cache=self.cache,
+        )
+        self.hooks.install()
+        setattr(model, _WRAPPED_ATTR, True)
+
+    # ------------------------------------------------------------------ construction
+    def _placement(self, where: str) -> torch.device:
+        return self.device if where == "device" else torch.device("cpu")
+
+    def _move_untracked(self, sync: bool) -> None:
+        """Frozen parameters and buffers stay whole on every rank (they need no gradients)."""
+        for p in self.module.parameters():
+            if not p.requires_grad:
+                data = p.data.to(self.device)
+                if data.is_floating_point():
+                    data = data.to(self.dtype)
+                if sync:
+                    self.comm.broadcast_from_first(data)
+                p.data = data
+        for mod in self.module.modules():
+            for name, buf in list(mod._buffers.items()):
+                if buf is None:
+                    continue
+                buf = buf.to(self.device)
+                if sync:
+                    self.comm.broadcast_from_first(buf)
+                mod._buffers[name] = buf
+
+    def _build_chunks(self, sync: bool) -> tuple[list[Chunk], list[Slot]]:
+        named = dict(self.module.named_parameters())
+        size, W, rank = self.plan.chunk_size, self.comm.world_size, self.comm.rank
+        shard_size = size // W
+        chunks: list[Chunk] = []
+        slots: list[Slot] = []
+        self._slot_chunk: list[int] = []
+        for cid, cplan in enumerate(self.plan.chunks):
+            flat = torch.zeros(size, dtype=torch.float32)
+            chunk_slots: list[Slot] = []
+            offset = 0
+            for name in cplan.params:
+                p = named[name]
+                slot = Slot(name, p, len(slots), offset, p.numel(), p.shape, p.dtype)
+                flat[offset : offset + p.numel()].copy_(p.data.reshape(-1))
+                offset += p.numel()
+                chunk_slots.append(slot)
+                slots.append(slot)
+                self._slot_chunk.append(cid)
+            if sync and self.comm.distributed:
+                flat = flat.to(self.device)
+                self.comm.broadcast_from_first(flat)
+            local = flat[rank * shard_size : (rank + 1) * shard_size]
+            param_dev = self._placement(cplan.param_placement)
+            optim_dev = self._placement(cplan.optim_placement)
+            shard = _pin(local.to(param_dev, dtype=self.dtype, copy=True))
+            if self.dtype == torch.float32 and param_dev == optim_dev:
+                master = shard
+            else:
+                master = _pin(local.to(optim_dev, dtype=torch.float32, copy=True))
+            chunk = Chunk(
+                index=cid, size=size, dtype=self.dtype, device=self.device,
+                param_device=param_dev, optim_device=optim_dev, comm=self.comm, slots=chunk_slots,
+                shard=shard, master=master,
+                grad_shard=_pin(torch.zeros(shard_size, dtype=torch.float32, device=optim_dev)),
+                full=torch.empty(size, dtype=self.dtype, device=self.device),
+            )
+            chunk.full.untyped_storage().resize_(0)
+            for slot in chunk_slots:
+                slot.param.data = self._placeholder
+            shard_bytes = shard_size * self.dtype.itemsize
+            if cplan.param_placement == "device":
+                self.ledger.add("param_shards", shard_bytes)
+            if cplan.optim_placement == "device":
+                self.ledger.add("grad_shards", shard_size * 4)
+                if not chunk.master_aliased:
+                    self.ledger.add("optimizer_state", shard_size * 4)
+            chunks.append(chunk)
+            del flat
+        return chunks, slots
+
+    def _fetch_units(self) -> dict[nn.Module, list[int]]:
+        """Each module fetches the chunks of its own parameters; a fetch unit (a dynamic
+        block such as a mixture-of-experts layer) fetches its whole subtree at once."""
+        chunk_of = {id(s.param): self._slot_chunk[s.index] for s in self.slots}
+        unit_names = list(self.plan.fetch_units)
+        units: dict[nn.Module, list[int]] = {}
+        for name, mod in self.module.named_modules():
+            if any(name.startswith(u + ".") for u in unit_names if u):
+                continue
+            recurse = name in unit_names
+            cids = sorted({chunk_of[id(p)] for p in mod.parameters(recurse=recurse) if id(p) in chunk_of})
+            if cids:
+                units[mod] = cids
+        return units
+
+    # ------------------------------------------------------------------ running
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's own ``generate()``; chunks are fetched as its modules run."""
+        return self.module.generate(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accepted for API compatibility. Gradients are still reduce-scattered every
+        micro-batch: that is equivalent for the result and keeps only 1/W of the full
+        gradients in memory, instead of all of them until the last micro-batch."""
+        yield
+
+    def release_all(self) -> None:
+        """Drop every gathered chunk (called after an optimizer step changes the shards)."""
+        self.fetcher.release_all()
+
+    def memory_report(self) -> dict:
+        """Bytes the runtime holds on the compute device, now and at peak, by category."""
+        report = self.ledger.report()
+        report["rcache_block_bytes"] = self.plan.chunk_size * self.dtype.itemsize
+        report["rcache_blocks"] = self.plan.rcache_blocks
+        report["cache_stats"] = dict(vars(self.cache.stats))
+        return report
+
+    # ------------------------------------------------------------------ names and state
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def named_buffers(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
+        return self.module.named_buffers(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._modules["module"], name)
+
+    def _gathered_chunk(self, chunk: Chunk) -> torch.Tensor:
+        """The full fp32 values of one chunk (from the master shards), gathered collectively."""
+        full = torch.empty(chunk.size, dtype=torch.float32, device=self.device)
+        self.ledger.add("temporary", full.numel() * 4)
+        try:
+            self.comm.all_gather(full, chunk.master.to(self.device, dtype=torch.float32)).wait()
+        finally:
+            self.ledger.sub("temporary", full.numel() * 4)
+        return full
+
+    def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
+        """The model's own state_dict keys with full tensors (collective: call on every rank).
+
+        Chunked parameters come from the fp32 master weights, cast to the dtype the model
+        had before wrapping; tensors are on the CPU."""
+        by_param = {}
+        for chunk in self.chunks:
+            full = self._gathered_chunk(chunk).cpu()
+            for slot in chunk.slots:
+                by_param[id(slot.param)] = (
+                    full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.orig_dtype).clone()
+                )
+            del full
+        out = {} if destination is None else destination
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[prefix + key] = by_param.get(id(value), None)
+            if out[prefix + key] is None:
+                out[prefix + key] = value.detach().cpu().clone()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
+        """Load full tensors (the model's own keys) into the shards. Everything is checked
+        before anything is written."""
+        own = self.module.state_dict(keep_vars=True)
+        missing = [k for k in own if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in own]
+        # tied parameters appear under several keys; one of them is enough
+        key_of_param: dict[int, str] = {}
+        for k, v in own.items():
+            if k in state_dict:
+                key_of_param.setdefault(id(v), k)
+        missing = [k for k in missing if id(own[k]) not in key_of_param]
+        if strict and (missing or unexpected):
+            raise RuntimeError(
+                f"state_dict does not match the model: missing keys {missing[:5]}, "
+                f"unexpected keys {unexpected[:5]}"
+            )
+        shapes = {id(s.param): s.shape for s in self.slots}
+        for k, v in own.items():
+            if k in state_dict:
+                want = shapes.get(id(v), v.shape)
+                if tuple(state_dict[k].shape) != tuple(want):
+                    raise RuntimeError(
+                        f"state_dict[{k!r}] has shape {tuple(state_dict[k].shape)}, the model "
+                        f"expects {tuple(want)}"
+                    )
+        self.release_all()
+        W, rank = self.comm.world_size, self.comm.rank
+        for chunk in self.chunks:
+            flat = torch.zeros(chunk.size, dtype=torch.float32)
+            for slot in chunk.slots:
+                key = key_of_param.get(id(slot.param))
+                if key is not None:
+                    flat[slot.offset : slot.offset + slot.numel].copy_(state_dict[key].reshape(-1))
+                else:  # not strict and absent: keep the current values
+                    flat[slot.offset : slot.offset + slot.numel].copy_(
+                        self._gathered_chunk(chunk).cpu()[slot.offset : slot.offset + slot.numel]
+                    )
+            local = flat[rank * chunk.shard_size : (rank + 1) * chunk.shard_size]
+            chunk.master.copy_(local)
+            if not chunk.master_aliased:
+                chunk.shard.copy_(local)
+        slot_params = {id(s.param) for s in self.slots}
+        for k, v in own.items():
+            if k in state_dict and id(v) not in slot_params:
+                v.data.copy_(state_dict[k])
+        return nn.modules.module._IncompatibleKeys(missing, unexpected)

@@ -1,0 +1,234 @@
+"""ElixirOptimizer: the user's optimizer, applied to sharded fp32 master weights.
+
+The user's optimizer supplies the algorithm (AdamW, Adam or SGD), the hyperparameters and
+the param_groups; the update itself runs per chunk shard where the plan put its state
+(device or CPU), with PyTorch's fused or foreach kernels on views of the flat shards.
+``param_groups`` are the user's own dicts, so LR schedulers (built on either optimizer)
+drive this one unchanged.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Any, Callable, Optional
+
+import torch
+from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim.adam import adam as functional_adam
+from torch.optim.sgd import sgd as functional_sgd
+
+from hf_elixir.runtime.chunk import Chunk, Slot
+from hf_elixir.runtime.module import ElixirModule
+from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
+
+SUPPORTED = (AdamW, Adam, SGD)
+
+
+def _algorithm(optimizer: Optimizer) -> str:
+    if isinstance(optimizer, AdamW):
+        return "adamw"
+    if isinstance(optimizer, Adam):
+        return "adamw" if optimizer.defaults.get("decoupled_weight_decay") else "adam"
+    if isinstance(optimizer, SGD):
+        return "sgd"
+    names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
+    raise TypeError(
+        f"ElixirOptimizer supports {names}; got {type(optimizer).__module__}.{type(optimizer).__name__}. "
+        "Create one of the supported optimizers over model.parameters()"
+    )
+
+
+def _fused_ok(device: torch.device) -> bool:
+    return device.type in ("cpu", "cuda")
+
+
+class ElixirOptimizer(Optimizer):
+    """Wraps ``optimizer`` (built over the original model's parameters) for ``module``."""
+
+    def __init__(self, module: ElixirModule, optimizer: Optimizer) -> None:
+        if not isinstance(module, ElixirModule):
+            raise TypeError(f"module must be an ElixirModule, got {type(module).__name__}")
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, ElixirOptimizer):
+            raise ValueError("this optimizer is already an ElixirOptimizer; wrap the original once")
+        self.algorithm = _algorithm(optimizer)
+        for group in optimizer.param_groups:
+            if group.get("amsgrad"):
+                raise ValueError("amsgrad is not supported by ElixirOptimizer; set amsgrad=False")
+            if group.get("differentiable"):
+                raise ValueError("differentiable optimizers are not supported by ElixirOptimizer")
+        slot_of = {id(s.param): s for s in module.slots}
+        model_params = {id(p) for p in module.module.parameters()}
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in model_params:
+                    raise ValueError(
+                        "the optimizer holds a parameter that is not in the wrapped model; build "
+                        "the optimizer over model.parameters() of the model given to ElixirModule"
+                    )
+        self.module = module
+        self.inner = optimizer
+        self.defaults = optimizer.defaults
+        # Optimizer's own bookkeeping (hooks, profiling names) without re-creating the groups:
+        Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
+        self.param_groups = optimizer.param_groups
+        self.group_of_slot: dict[int, int] = {}
+        for gi, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                if id(p) in slot_of:
+                    self.group_of_slot[slot_of[id(p)].index] = gi
+        self.scaler: Optional[DynamicLossScaler] = (
+            DynamicLossScaler() if needs_loss_scaling(module.dtype) else None
+        )
+        self._grads_unscaled = False
+        self._build_state()
+
+    # ------------------------------------------------------------------ state
+    def _build_state(self) -> None:
+        """Flat optimizer state per chunk shard, on the chunk's optimizer device."""
+        self.flat_state: list[dict[str, torch.Tensor]] = []
+        self.steps: dict[int, torch.Tensor] = {}
+        names = ("exp_avg", "exp_avg_sq") if self.algorithm != "sgd" else ("momentum_buffer",)
+        if self.algorithm == "sgd" and all(g.get("momentum", 0) == 0 for g in self.param_groups):
+            names = ()
+        for chunk in self.module.chunks:
+            state = {n: self._alloc(chunk) for n in names}
+            self.flat_state.append(state)
+            for slot, _, _, _ in chunk.local_slices():
+                self.steps[slot.index] = torch.zeros((), dtype=torch.float32, device=chunk.optim_device)
+        self._momentum_started: set[int] = set()
+
+    def _alloc(self, chunk: Chunk) -> torch.Tensor:
+        t = torch.zeros(chunk.shard_size, dtype=torch.float32, device=chunk.optim_device)
+        if torch.cuda.is_available() and t.device.type == "cpu":
+            t = t.pin_memory()
+        if chunk.optim_device == chunk.device and self.module.plan.chunks[chunk.index].optim_placement == "device":
+            self.module.ledger.add("optimizer_state", t.numel() * 4)
+        return t
+
+    def device_state_bytes(self) -> int:
+        return self.module.ledger.current["optimizer_state"]
+
+    # ------------------------------------------------------------------ backward helpers
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward()``, scaled by the loss scale under fp16."""
+        if self.scaler is not None:
+            loss = loss * self.scaler.scale
+        loss.backward(**kwargs)
+
+    def _unscale(self) -> None:
+        if self.scaler is None or self._grads_unscaled:
+            return
+        inv = 1.0 / self.scaler.scale
+        for chunk in self.module.chunks:
+            chunk.grad_shard.mul_(inv)
+        self._grads_unscaled = True
+
+    def _found_inf(self) -> bool:
+        flag = torch.zeros(1, dtype=torch.float32)
+        for chunk in self.module.chunks:
+            if not torch.isfinite(chunk.grad_shard).all():
+                flag.fill_(1.0)
+                break
+        return bool(self.module.comm.all_reduce(flag, op="max").item())
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; one all-reduce."""
+        self._unscale()
+        norm_type = float(norm_type)
+        if norm_type == math.inf:
+            local = torch.zeros(1, dtype=torch.float32)
+            for chunk in self.module.chunks:
+                if chunk.grad_shard.numel():
+                    local = torch.maximum(local, chunk.grad_shard.abs().max().cpu().reshape(1))
+            total = self.module.comm.all_reduce(local, op="max")[0]
+        else:
+            local = torch.zeros(1, dtype=torch.float64)
+            for chunk in self.module.chunks:
+                local += chunk.grad_shard.double().abs().pow(norm_type).sum().cpu()
+            total = self.module.comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for chunk in self.module.chunks:
+            chunk.grad_shard.mul_(coef.to(chunk.grad_shard.device))
+        return total
+
+    # ------------------------------------------------------------------ step
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for chunk in self.module.chunks:
+            chunk.grad_shard.zero_()
+        self.module.reducer.clear_seen()
+        self._grads_unscaled = False
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:
+        loss = closure() if closure is not None else None
+        # an LR scheduler built on the user's optimizer checks that it stepped
+        self.inner._opt_called = True
+        if self.scaler is not None:
+            self._unscale()
+            found = self._found_inf()
+            self.scaler.update(found)
+            if found:  # skipped on every rank: the flag was all-reduced
+                self.zero_grad()
+                self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+                return loss
+        active = self.module.reducer.global_seen()
+        batches: dict[tuple[int, torch.device], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        for chunk, state in zip(self.module.chunks, self.flat_state):
+            for slot, begin, end, _ in chunk.local_slices():
+                if not active[slot.index] or slot.index not in self.group_of_slot:
+                    continue
+                b = batches[(self.group_of_slot[slot.index], chunk.optim_device)]
+                b["params"].append(chunk.master[begin:end])
+                b["grads"].append(chunk.grad_shard[begin:end])
+                b["steps"].append(self.steps[slot.index])
+                b["slots"].append(slot.index)
+                for name, flat in state.items():
+                    b[name].append(flat[begin:end])
+        # device shards first: on a GPU they run asynchronously while the CPU updates its own
+        for (gi, device), b in sorted(batches.items(), key=lambda kv: kv[0][1].type == "cpu"):
+            self._update(self.param_groups[gi], device, b)
+        for chunk in self.module.chunks:
+            if not chunk.master_aliased:
+                chunk.shard.copy_(chunk.master, non_blocking=True)
+        self.module.release_all()
+        self.module.reducer.clear_seen()
+        self._grads_unscaled = False
+        return loss
+
+    def _update(self, group: dict, device: torch.device, b: dict[str, list]) -> None:
+        fused = _fused_ok(device)
+        if self.algorithm in ("adamw", "adam"):
+            beta1, beta2 = group["betas"]
+            functional_adam(
+                b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], [], b["steps"],
+                foreach=None if fused else True, fused=fused,
+                decoupled_weight_decay=self.algorithm == "adamw",
+                amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+                weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False),
+            )
+            return
+        momentum = group.get("momentum", 0.0)
+        bufs: list[Optional[torch.Tensor]] = []
+        if momentum:
+            for slot_idx, buf in zip(b["slots"], b["momentum_buffer"]):
+                # SGD starts the buffer at the first gradient; zero state would shrink it
+                bufs.append(buf if slot_idx in self._momentum_started else None)
+        else:
+            bufs = [None] * len(b["params"])
+        functional_sgd(
+            b["params"], b["grads"], bufs, foreach=False,
+            weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+            dampening=group.get("dampening", 0.0), nesterov=group.get("nesterov", False),
+            maximize=group.get("maximize", False),
+        )
+        if momentum:
+            for slot_idx, new, flat_view in zip(b["slots"], bufs, b["momentum_buffer"]):
+                if slot_idx not in self._momentum_started:
+                    flat_view.copy_(new)
+                    self._momentum_started.add(slot_idx)
+        for step in b["steps"]:
+            step += 1
