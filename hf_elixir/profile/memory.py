@@ -31,7 +31,6 @@ from typing import Any, Callable, Iterable
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -160,22 +159,36 @@ def _sdp_choice(target: str, q, k, v, attn_mask, dropout_p, is_causal, scale, en
         return _MATH
 
 
-class SDPAKernelMode(TorchFunctionMode):
-    """Route meta ``scaled_dot_product_attention`` to the fused kernel the target would use."""
+class SDPAKernelMode:
+    """Route meta ``scaled_dot_product_attention`` to the fused kernel the target would use.
+
+    A context manager that swaps ``torch.nn.functional.scaled_dot_product_attention`` for a
+    wrapper while it is active (a ``TorchFunctionMode`` would not do: the recomputation of
+    activation checkpointing runs inside ``backward``, where a function mode is suspended).
+    Real tensors go to the original function untouched.
+    """
 
     def __init__(self, target: str = "cpu"):
-        super().__init__()
         self.target = target
+        self._original = None
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is torch.nn.functional.scaled_dot_product_attention:
+    def __enter__(self) -> "SDPAKernelMode":
+        F = torch.nn.functional
+        self._original = original = F.scaled_dot_product_attention
+
+        def scaled_dot_product_attention(*args, **kwargs):
             q = args[0] if args else kwargs.get("query")
             if isinstance(q, torch.Tensor) and q.is_meta:
                 out = self._fused(*args, **kwargs)
                 if out is not None:
                     return out
-        return func(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        F.scaled_dot_product_attention = scaled_dot_product_attention
+        return self
+
+    def __exit__(self, *exc) -> None:
+        torch.nn.functional.scaled_dot_product_attention = self._original
 
     def _fused(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
                scale=None, enable_gqa=False):
@@ -183,18 +196,19 @@ class SDPAKernelMode(TorchFunctionMode):
                              scale, enable_gqa)
         if choice not in (_FLASH, _EFFICIENT, _CUDNN):
             return None
-        if enable_gqa and key.shape[-3] != query.shape[-3]:
-            rep = query.shape[-3] // key.shape[-3]
-            key = key.repeat_interleave(rep, dim=-3)
-            value = value.repeat_interleave(rep, dim=-3)
         aten = torch.ops.aten
         try:
+            # the flash kernels take grouped-query key/value heads as they are
             if self.target == "cpu" and choice == _FLASH:
                 return aten._scaled_dot_product_flash_attention_for_cpu(
                     query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)[0]
             if choice == _FLASH and attn_mask is None:
                 return aten._scaled_dot_product_flash_attention(
                     query, key, value, dropout_p, is_causal, False, scale=scale)[0]
+            if enable_gqa and key.shape[-3] != query.shape[-3]:
+                rep = query.shape[-3] // key.shape[-3]
+                key = key.repeat_interleave(rep, dim=-3)
+                value = value.repeat_interleave(rep, dim=-3)
             bias = attn_mask
             if bias is not None and bias.dtype == torch.bool:
                 bias = torch.zeros(bias.shape, dtype=query.dtype, device=query.device)

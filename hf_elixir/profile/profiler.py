@@ -185,8 +185,6 @@ def profile_model(
     dtype = canonical_dtype(dtype)
     meta = build_meta_model(model_or_config, dtype)
     meta.train()
-    if hasattr(meta, "config") and hasattr(meta.config, "use_cache"):
-        meta.config.use_cache = False
     fetch_units = detect_fetch_units(meta)
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
     batch = make_batch(example_batch, vocab, device="meta")
