@@ -1,0 +1,486 @@
+"""HardwareProfile: the figures the cost model needs about one kind of machine.
+
+A profile is either a *preset* (figures from datasheets, published measurements or
+estimates; each figure says which in ``sources``), *detected* (the local device's name and
+memory, other figures from the matching preset or a cached calibration) or *calibrated*
+(every figure measured here by ``calibrate()``, cached as JSON under the user's cache
+directory). docs/hardware.md tabulates the presets and their sources.
+
+Units: bytes, bytes/second, FLOP/s, elements/second.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+GiB = 2**30
+GB = 10**9
+
+DATASHEET, MEASURED, PUBLISHED, ESTIMATE = "datasheet", "measured", "published measurement", "estimate"
+
+
+class HardwareError(ValueError):
+    """An unknown preset, an unparsable memory size or an unreadable calibration file."""
+
+
+@dataclass
+class HardwareProfile:
+    """One node type: per-device figures plus how many devices and nodes there are.
+
+    Attributes:
+        name: preset key or device name.
+        device_type: "cuda" or "cpu" (CPU: the compute device and offload target are both host memory).
+        device_memory: bytes of memory per device.
+        gpus_per_node, nodes: the cluster shape (world size = gpus_per_node * nodes).
+        h2d_bandwidth, d2h_bandwidth: host<->device copy bandwidth per device (pinned memory), B/s.
+        collective_bandwidth: intra-node all-gather/reduce-scatter *bus* bandwidth per device, B/s.
+        inter_node_bandwidth: per-device network bandwidth between nodes, B/s.
+        collective_latency: fixed cost per collective call, s.
+        matmul_flops: peak dense matmul rate by dtype ("float32", "bfloat16", "float16"), FLOP/s.
+        matmul_efficiency: fraction of ``matmul_flops`` a training step achieves (1.0 when the
+            rate was measured with realistic sizes).
+        device_memory_bandwidth: device memory bandwidth, B/s (device-side copies).
+        device_adam_throughput: fused AdamW on the device, parameters/s.
+        cpu_adam_throughput: vectorised CPU AdamW, parameters/s for the whole host (shared by
+            the node's ranks).
+        cpu_memory: host memory per node, bytes.
+        context_bytes: device memory the runtime cannot use (CUDA context, NCCL buffers).
+        sources: field name -> datasheet / published measurement / estimate / measured.
+    """
+
+    name: str
+    device_type: str = "cuda"
+    device_memory: int = 80 * GiB
+    gpus_per_node: int = 1
+    nodes: int = 1
+    h2d_bandwidth: float = 25e9
+    d2h_bandwidth: float = 25e9
+    collective_bandwidth: float = 100e9
+    inter_node_bandwidth: float = 12.5e9
+    collective_latency: float = 30e-6
+    matmul_flops: dict[str, float] = field(default_factory=lambda: {"float32": 20e12, "bfloat16": 300e12, "float16": 300e12})
+    matmul_efficiency: float = 0.5
+    device_memory_bandwidth: float = 1.5e12
+    device_adam_throughput: float = 20e9
+    cpu_adam_throughput: float = 1.5e9
+    cpu_memory: int = 512 * GiB
+    context_bytes: int = 512 * 2**20
+    sources: dict[str, str] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def world_size(self) -> int:
+        return self.gpus_per_node * self.nodes
+
+    def matmul_rate(self, dtype: str) -> float:
+        """Achievable dense matmul FLOP/s in ``dtype``."""
+        from hf_elixir.plan.plan import canonical_dtype
+
+        return self.matmul_flops[canonical_dtype(dtype)] * self.matmul_efficiency
+
+    def collective_rate(self, world_size: int | None = None) -> float:
+        """Bus bandwidth of a collective spanning ``world_size`` ranks."""
+        ws = self.world_size if world_size is None else world_size
+        if ws > self.gpus_per_node and self.nodes > 1:
+            return min(self.collective_bandwidth, self.inter_node_bandwidth)
+        return self.collective_bandwidth
+
+    def with_cluster(self, gpus_per_node: int | None = None, nodes: int | None = None,
+                     device_memory: int | None = None) -> "HardwareProfile":
+        """A copy with another cluster shape or device memory."""
+        out = replace(self, sources=dict(self.sources), matmul_flops=dict(self.matmul_flops))
+        if gpus_per_node is not None:
+            out.gpus_per_node = int(gpus_per_node)
+        if nodes is not None:
+            out.nodes = int(nodes)
+        if device_memory is not None:
+            out.device_memory = int(device_memory)
+            out.sources["device_memory"] = "user"
+        return out
+
+    # ------------------------------------------------------------------ presets
+    @classmethod
+    def preset(cls, name: str) -> "HardwareProfile":
+        """A preset by name (case-insensitive; ``-``/``_`` interchangeable)."""
+        key = name.lower().replace("_", "-").strip()
+        key = _PRESET_ALIASES.get(key, key)
+        if key not in PRESETS:
+            raise HardwareError(
+                f"unknown hardware preset {name!r}; choose one of: {', '.join(sorted(PRESETS))}"
+            )
+        p = PRESETS[key]
+        return replace(p, sources=dict(p.sources), matmul_flops=dict(p.matmul_flops))
+
+    @classmethod
+    def presets(cls) -> list[str]:
+        return sorted(PRESETS)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "HardwareProfile":
+        known = set(cls.__dataclass_fields__)
+        unknown = set(data) - known
+        if unknown:
+            raise HardwareError(f"unknown hardware profile fields {sorted(unknown)}")
+        return cls(**data)
+
+    def to_json(self, path: str | Path | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=1)
+        if path is not None:
+            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            Path(path).write_text(text)
+        return text
+
+    @classmethod
+    def from_json(cls, text_or_path: str | Path) -> "HardwareProfile":
+        text = str(text_or_path)
+        try:
+            if not text.lstrip().startswith("{"):
+                text = Path(text_or_path).read_text()
+            return cls.from_dict(json.loads(text))
+        except (OSError, json.JSONDecodeError, TypeError) as e:
+            raise HardwareError(f"cannot read a hardware profile from {str(text_or_path)[:80]!r}: {e}") from e
+
+    # ------------------------------------------------------------------ local machine
+    @classmethod
+    def detect(cls, use_cache: bool = True) -> "HardwareProfile":
+        """The local machine: CUDA device 0 if present, else the CPU.
+
+        Name, memory and device count are read from the device; the other figures come from a
+        cached calibration of this machine if there is one (see ``calibrate``), else from the
+        matching preset.
+        """
+        if use_cache:
+            cached = cls.cached()
+            if cached is not None:
+                return cached
+        if torch.cuda.is_available():
+            props = torch.cuda.get_device_properties(0)
+            base = _match_preset(props.name)
+            prof = base.with_cluster(gpus_per_node=torch.cuda.device_count(), nodes=1,
+                                     device_memory=int(props.total_memory))
+            prof.name = props.name
+            prof.sources["device_memory"] = MEASURED
+            prof.cpu_memory = _host_memory()
+            prof.sources["cpu_memory"] = MEASURED
+            return prof
+        prof = cls.preset("cpu")
+        prof.device_memory = prof.cpu_memory = _host_memory()
+        prof.sources["device_memory"] = prof.sources["cpu_memory"] = MEASURED
+        return prof
+
+    @classmethod
+    def cached(cls) -> "HardwareProfile | None":
+        """The cached calibration of this machine, or None."""
+        path = cache_path()
+        if not path.exists():
+            return None
+        try:
+            return cls.from_json(path)
+        except HardwareError:
+            return None
+
+    @classmethod
+    def calibrate(cls, output: str | Path | None = None, quick: bool = False,
+                  save: bool = True) -> "HardwareProfile":
+        """Measure every figure on this machine (under a minute) and cache it as JSON.
+
+        ``quick`` uses smaller sizes (a few seconds; less accurate) and is meant for tests.
+        """
+        prof = calibrate_local(quick=quick)
+        if save:
+            prof.to_json(output or cache_path())
+        return prof
+
+    def describe(self) -> str:
+        rows = [
+            ("device", f"{self.name} ({self.device_type})"),
+            ("device memory", format_bytes(self.device_memory)),
+            ("devices", f"{self.gpus_per_node} per node x {self.nodes} node(s)"),
+            ("host->device", f"{self.h2d_bandwidth / 1e9:.1f} GB/s"),
+            ("device->host", f"{self.d2h_bandwidth / 1e9:.1f} GB/s"),
+            ("collective (intra-node)", f"{self.collective_bandwidth / 1e9:.1f} GB/s"),
+            ("inter-node", f"{self.inter_node_bandwidth / 1e9:.1f} GB/s"),
+            *[(f"matmul {k}", f"{v / 1e12:.2f} TFLOP/s") for k, v in self.matmul_flops.items()],
+            ("matmul efficiency", f"{self.matmul_efficiency:.2f}"),
+            ("device AdamW", f"{self.device_adam_throughput / 1e9:.2f} G params/s"),
+            ("CPU AdamW", f"{self.cpu_adam_throughput / 1e9:.2f} G params/s"),
+            ("CPU memory", format_bytes(self.cpu_memory)),
+        ]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+# ---------------------------------------------------------------------- memory strings
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+}
+
+
+def parse_memory(text: str | int | float) -> int:
+    """Bytes from "24GiB", "24 GB", "24000MB", "80G" (G/GiB binary, GB decimal) or a number.
+
+    Raises HardwareError with the accepted forms when the string is not a size.
+    """
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        if text <= 0:
+            raise HardwareError(f"memory size must be positive, got {text}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise HardwareError(
+            f"cannot read memory size {text!r}: write a number and a unit, e.g. '24GiB', "
+            "'24 GB', '24000MB' or '80G' (GiB/MiB/G are powers of 1024, GB/MB powers of 1000)"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if value <= 0:
+        raise HardwareError(f"memory size must be positive, got {text!r}")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    n = float(n)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---------------------------------------------------------------------- presets
+def _p(name, memory, h2d, coll, flops32, flops16, bf16, mem_bw, dev_adam, cpu_adam,
+       inter_node_bandwidth=25e9, sources=None, **kw) -> HardwareProfile:
+    return HardwareProfile(
+        name=name, device_type="cuda", device_memory=memory, gpus_per_node=1, nodes=1,
+        h2d_bandwidth=h2d, d2h_bandwidth=h2d, collective_bandwidth=coll, inter_node_bandwidth=inter_node_bandwidth,
+        matmul_flops={"float32": flops32, "float16": flops16, "bfloat16": bf16},
+        device_memory_bandwidth=mem_bw, device_adam_throughput=dev_adam,
+        cpu_adam_throughput=cpu_adam, sources=sources or {}, **kw,
+    )
+
+
+def _src(**overrides: str) -> dict[str, str]:
+    base = {
+        "device_memory": DATASHEET, "matmul_flops": DATASHEET, "device_memory_bandwidth": DATASHEET,
+        "h2d_bandwidth": PUBLISHED, "d2h_bandwidth": PUBLISHED, "collective_bandwidth": PUBLISHED,
+        "inter_node_bandwidth": ESTIMATE, "collective_latency": ESTIMATE,
+        "matmul_efficiency": ESTIMATE, "device_adam_throughput": ESTIMATE,
+        "cpu_adam_throughput": ESTIMATE, "cpu_memory": ESTIMATE, "context_bytes": ESTIMATE,
+    }
+    base.update(overrides)
+    return base
+
+
+# Device AdamW is memory-bound: ~32 bytes move per parameter (fp32 master, two moments read
+# and written, fp32 gradient read, compute-dtype copy written), so the estimate is
+# 0.6 * memory bandwidth / 32 B. CPU AdamW: ZeRO-Offload's CPU-Adam on a 2-socket server
+# updates ~1e9 parameters in ~0.3-0.5 s; desktop hosts about half that.
+def _adam(mem_bw: float) -> float:
+    return 0.6 * mem_bw / 32
+
+
+PRESETS: dict[str, HardwareProfile] = {
+    "a100-40g": _p("a100-40g", 40 * GiB, 24e9, 230e9, 19.5e12, 312e12, 312e12, 1555e9, _adam(1555e9), 2.5e9,
+                   cpu_memory=1024 * GiB, sources=_src()),
+    "a100-80g": _p("a100-80g", 80 * GiB, 24e9, 230e9, 19.5e12, 312e12, 312e12, 2039e9, _adam(2039e9), 2.5e9,
+                   cpu_memory=1024 * GiB, sources=_src()),
+    "h100-80g": _p("h100-80g", 80 * GiB, 50e9, 360e9, 67e12, 989e12, 989e12, 3350e9, _adam(3350e9), 3e9,
+                   cpu_memory=2048 * GiB, inter_node_bandwidth=50e9, sources=_src()),
+    "h200": _p("h200", 141 * GB, 50e9, 360e9, 67e12, 989e12, 989e12, 4800e9, _adam(4800e9), 3e9,
+               cpu_memory=2048 * GiB, inter_node_bandwidth=50e9, sources=_src()),
+    "l4": _p("l4", 24 * GB, 24e9, 20e9, 30.3e12, 121e12, 121e12, 300e9, _adam(300e9), 1.5e9,
+             cpu_memory=192 * GiB, sources=_src(collective_bandwidth=ESTIMATE)),
+    "t4": _p("t4", 16 * GB, 12e9, 10e9, 8.1e12, 65e12, 8.1e12, 320e9, _adam(320e9), 1e9,
+             cpu_memory=128 * GiB, sources=_src(collective_bandwidth=ESTIMATE)),
+    "v100-32g": _p("v100-32g", 32 * GiB, 12e9, 130e9, 15.7e12, 125e12, 15.7e12, 900e9, _adam(900e9), 1.5e9,
+                   cpu_memory=512 * GiB, sources=_src()),
+    "rtx3090": _p("rtx3090", 24 * GiB, 24e9, 12e9, 35.6e12, 71e12, 71e12, 936e9, _adam(936e9), 1e9,
+                  cpu_memory=128 * GiB, sources=_src(collective_bandwidth=ESTIMATE)),
+    "rtx4090": _p("rtx4090", 24 * GiB, 24e9, 12e9, 82.6e12, 165e12, 165e12, 1008e9, _adam(1008e9), 1e9,
+                  cpu_memory=128 * GiB, sources=_src(collective_bandwidth=ESTIMATE)),
+    "cpu": HardwareProfile(
+        name="cpu", device_type="cpu", device_memory=64 * GiB, gpus_per_node=1, nodes=1,
+        h2d_bandwidth=10e9, d2h_bandwidth=10e9, collective_bandwidth=2e9,
+        inter_node_bandwidth=1e9, collective_latency=200e-6,
+        matmul_flops={"float32": 200e9, "bfloat16": 50e9, "float16": 20e9},
+        matmul_efficiency=0.7, device_memory_bandwidth=10e9, device_adam_throughput=1e9,
+        cpu_adam_throughput=1e9, cpu_memory=64 * GiB, context_bytes=0,
+        sources={k: ESTIMATE for k in (
+            "device_memory", "h2d_bandwidth", "d2h_bandwidth", "collective_bandwidth",
+            "inter_node_bandwidth", "collective_latency", "matmul_flops", "matmul_efficiency",
+            "device_memory_bandwidth", "device_adam_throughput", "cpu_adam_throughput",
+            "cpu_memory", "context_bytes")},
+    ),
+}
+
+_PRESET_ALIASES = {
+    "a100": "a100-40g", "a100-40gb": "a100-40g", "a100-80gb": "a100-80g", "h100": "h100-80g",
+    "h100-80gb": "h100-80g", "h200-141g": "h200", "v100": "v100-32g", "v100-32gb": "v100-32g",
+    "rtx-3090": "rtx3090", "rtx-4090": "rtx4090", "3090": "rtx3090", "4090": "rtx4090",
+}
+
+
+def _match_preset(device_name: str) -> HardwareProfile:
+    """The preset closest to a CUDA device name (e.g. "NVIDIA H100 80GB HBM3")."""
+    n = device_name.lower()
+    table = [("h200", "h200"), ("h100", "h100-80g"), ("a100", "a100-80g" if "80" in n else "a100-40g"),
+             ("v100", "v100-32g"), ("4090", "rtx4090"), ("3090", "rtx3090"), ("l4", "l4"), ("t4", "t4")]
+    for needle, key in table:
+        if needle in n:
+            return HardwareProfile.preset(key)
+    prof = HardwareProfile.preset("a100-40g")
+    prof.sources = {k: ESTIMATE for k in prof.sources}
+    return prof
+
+
+def _host_memory() -> int:
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 64 * GiB
+
+
+def cache_path() -> Path:
+    """Where calibrations are cached: $HF_ELIXIR_CACHE or $XDG_CACHE_HOME/hf_elixir, per host."""
+    root = os.environ.get("HF_ELIXIR_CACHE")
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_elixir")
+    return Path(root) / f"hardware-{socket.gethostname()}.json"
+
+
+# ---------------------------------------------------------------------- calibration
+def _timeit(fn, repeat: int = 3, sync=None) -> float:
+    fn()
+    if sync:
+        sync()
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        best = min(best, time.perf_counter() - t)
+    return max(best, 1e-9)
+
+
+def calibrate_local(quick: bool = False) -> HardwareProfile:
+    """Measure this machine. Every figure it sets is marked "measured" in ``sources``."""
+    cuda = torch.cuda.is_available()
+    prof = HardwareProfile.detect(use_cache=False)
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else None
+    src = dict(prof.sources)
+    copy_elems = (4 if quick else 64) * 2**20 // 4  # fp32 elements
+
+    # host <-> device (on CPU: a host memory copy, which is what "offload" costs there)
+    host = torch.empty(copy_elems, dtype=torch.float32, pin_memory=cuda)
+    devbuf = torch.empty(copy_elems, dtype=torch.float32, device=dev)
+    nbytes = copy_elems * 4
+    prof.h2d_bandwidth = nbytes / _timeit(lambda: devbuf.copy_(host, non_blocking=cuda), sync=sync)
+    prof.d2h_bandwidth = nbytes / _timeit(lambda: host.copy_(devbuf, non_blocking=cuda), sync=sync)
+    other = torch.empty_like(devbuf)
+    prof.device_memory_bandwidth = 2 * nbytes / _timeit(lambda: other.copy_(devbuf), sync=sync)
+    del host, devbuf, other
+
+    # matmul rate per dtype
+    n = (256 if quick else 1024) if not cuda else (2048 if quick else 8192)
+    flops = {}
+    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+        try:
+            a = torch.randn(n, n, device=dev).to(dt)
+            b = torch.randn(n, n, device=dev).to(dt)
+            flops[name] = 2 * n**3 / _timeit(lambda: a @ b, repeat=2, sync=sync)
+        except RuntimeError:
+            flops[name] = 0.0
+    prof.matmul_flops = flops
+    prof.matmul_efficiency = 1.0
+
+    # AdamW throughput (fused where available), on the device and on the CPU
+    def adam_rate(device: torch.device, elems: int) -> float:
+        p = torch.zeros(elems, device=device, requires_grad=True)
+        p.grad = torch.zeros_like(p)
+        try:
+            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
+        except (RuntimeError, TypeError):
+            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
+        s = torch.cuda.synchronize if device.type == "cuda" else None
+        return elems / _timeit(opt.step, repeat=2, sync=s)
+
+    adam_elems = (2 if quick else 32) * 2**20
+    prof.cpu_adam_throughput = adam_rate(torch.device("cpu"), adam_elems)
+    prof.device_adam_throughput = adam_rate(dev, adam_elems) if cuda else prof.cpu_adam_throughput
+
+    # collectives between two local processes (gloo on CPU, NCCL across two GPUs)
+    bw, lat = _measure_collective(quick=quick)
+    if bw is not None:
+        prof.collective_bandwidth, prof.collective_latency = bw, lat
+        src["collective_bandwidth"] = src["collective_latency"] = MEASURED
+
+    for k in ("h2d_bandwidth", "d2h_bandwidth", "device_memory_bandwidth", "matmul_flops",
+              "matmul_efficiency", "cpu_adam_throughput", "device_adam_throughput"):
+        src[k] = MEASURED
+    prof.sources = src
+    prof.name = prof.name + " (calibrated)" if "calibrated" not in prof.name else prof.name
+    return prof
+
+
+def _collective_worker(rank: int, world: int, port: int, elems: int, backend: str, out) -> None:
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        shard = torch.ones(elems // world, device=dev)
+        full = torch.empty(elems, device=dev)
+        tiny_s, tiny_f = torch.ones(world, device=dev), torch.empty(world * world, device=dev)
+        sync = torch.cuda.synchronize if backend == "nccl" else None
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        t_big = _timeit(lambda: gather(full, shard), repeat=3, sync=sync)
+        t_small = _timeit(lambda: gather(tiny_f, tiny_s), repeat=5, sync=sync)
+        if rank == 0:
+            busbw = elems * 4 * (world - 1) / world / max(t_big - t_small, 1e-9)
+            out.put((busbw, t_small))
+    finally:
+        dist.destroy_process_group()
+
+
+def _measure_collective(quick: bool = False) -> tuple[float | None, float]:
+    import torch.multiprocessing as mp
+
+    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
+    if torch.cuda.is_available() and backend == "gloo":
+        return None, 0.0  # one GPU: no peer to measure against; keep the preset figure
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    elems = (2 if quick else 16) * 2**20
+    try:
+        procs = [ctx.Process(target=_collective_worker, args=(r, 2, port, elems, backend, q)) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=60)
+        if q.empty():
+            return None, 0.0
+        return q.get()
+    except Exception:
+        return None, 0.0
