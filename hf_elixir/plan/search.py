@@ -1,0 +1,404 @@
+"""The plan search: the fastest plan whose predicted peak memory fits the budget.
+
+Enumerated, for each candidate chunk size (``cost.chunk_size_candidates``; parameters packed
+in forward first-use order): activation checkpointing on/off, rCache blocks (from the
+minimum usable, a module's chunk span plus the prefetch room, up to every chunk), prefetch
+depth 0-2, the number of tail chunks whose optimizer runs on the CPU, and, with every
+optimizer offloaded, the number of tail chunks whose parameters also live on the CPU.
+
+Selection. Candidates are ranked by (predicted step time, bytes communicated, bytes over
+PCIe, peak memory). Before the budget is applied they are reduced to a *chain*: walking from
+the smallest predicted peak upward, a candidate is kept only if it is faster than every
+smaller one kept so far and offloads no more than they do. The plan for a budget is the
+last chain element that fits. Hence, by construction: a larger budget never predicts a
+slower step; a smaller budget never offloads less (a plan that offloads to win a little time
+is not chosen over one that needs less memory and offloads nothing — the predicted overlap
+of CPU work is the least certain part of the model); whatever fits at all, some plan is
+returned (the smallest candidate heads the chain); with room for everything the fastest
+candidate — no offload, every chunk cached — is chosen.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
+from hf_elixir.plan import cost
+from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError, canonical_dtype, model_signature
+from hf_elixir.profile.profiler import ModelProfile, profile_model
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+PREFETCH_DEPTHS = (0, 1, 2)
+MAX_GRID = 128
+
+
+@dataclass
+class Candidate:
+    chunk_size: int
+    n_chunks: int
+    checkpointing: bool
+    rcache_blocks: int
+    prefetch_depth: int
+    n_optim_cpu: int
+    n_param_cpu: int
+    peak: float
+    step_time: float
+    comm_bytes: float
+    pcie_bytes: float
+    memory: dict[str, int]
+    time: dict[str, float]
+    gathers: int
+
+    @property
+    def optim_offload(self) -> float:
+        return self.n_optim_cpu / self.n_chunks
+
+    @property
+    def param_offload(self) -> float:
+        return self.n_param_cpu / self.n_chunks
+
+    def key(self) -> tuple:
+        return (round(self.step_time * 1e9), round(self.comm_bytes), round(self.pcie_bytes), self.peak)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "chunk_size": self.chunk_size, "n_chunks": self.n_chunks,
+            "activation_checkpointing": self.checkpointing, "rcache_blocks": self.rcache_blocks,
+            "prefetch_depth": self.prefetch_depth, "optim_offload_chunks": self.n_optim_cpu,
+            "param_offload_chunks": self.n_param_cpu, "peak_bytes": int(self.peak),
+            "step_time_s": self.step_time, "memory": dict(self.memory), "time": dict(self.time),
+            "gathers_per_step": self.gathers,
+        }
+
+
+def _grid(lo: int, hi: int, limit: int = MAX_GRID) -> list[int]:
+    if hi - lo + 1 <= limit:
+        return list(range(lo, hi + 1))
+    step = (hi - lo) / (limit - 1)
+    return sorted({lo + round(i * step) for i in range(limit)} | {hi})
+
+
+def _rcache_grid(lo: int, hi: int) -> list[int]:
+    if hi - lo + 1 <= 16:
+        return list(range(lo, hi + 1))
+    vals = {lo, lo + 1, lo + 2, hi, hi - 1}
+    x = float(lo)
+    while x < hi:
+        vals.add(int(x))
+        x *= 1.35
+    return sorted(v for v in vals if lo <= v <= hi)
+
+
+# ---------------------------------------------------------------------- enumeration
+def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size: int,
+                         compute_dtype: str, optimizer: str) -> tuple[list[Candidate], dict]:
+    """Every candidate with its predicted memory and time (independent of the budget)."""
+    sizes = {p.name: p.numel for p in profile.params}
+    order = profile.param_order()
+    cb = cost.DTYPE_BYTES[compute_dtype]
+    rate = hw.matmul_rate(compute_dtype)
+    frozen = profile.frozen_bytes + profile.buffer_bytes
+    ranks_per_node = min(world_size, hw.gpus_per_node)
+    context = hw.context_bytes if hw.device_type == "cuda" else 0
+    modes = [False] + ([True] if profile.checkpointed is not None else [])
+    packings: dict[int, list[list[str]]] = {}
+    out: list[Candidate] = []
+    for S in cost.chunk_size_candidates(sizes.values(), world_size):
+        chunks = cost.pack(order, sizes, S)
+        packings[S] = chunks
+        n = len(chunks)
+        param_chunk = {name: i for i, c in enumerate(chunks) for name in c}
+        shard = S // world_size
+        chunk_bytes = S * cb
+        for ckpt in modes:
+            step = profile.step(ckpt)
+            tr = step.trace
+            seq = cost.access_sequence(tr.events, tr.module_params, tr.module_flops, param_chunk,
+                                       step.memory.flops, step.memory.forward_flops, rate)
+            span = cost.max_span(tr.module_params, param_chunk)
+            act = step.memory.peak
+            for d in PREFETCH_DEPTHS:
+                r_min = max(2, span + max(1, d))
+                r_max = max(n, r_min)
+                for R in _rcache_grid(r_min, r_max):
+                    misses = cost.belady_misses(seq, n, R)
+                    sim = cost.simulate(seq, misses, n, chunk_bytes, world_size, hw, d)
+                    cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, shard, cb, hw, ranks_per_node)
+                    for k in _grid(0, n):
+                        out.append(_candidate(S, n, ckpt, R, d, k, 0, sim, cpu_end[k], shard, cb,
+                                              world_size, compute_dtype, optimizer, act, frozen,
+                                              context, hw))
+                    if d == 1 and R == r_min:
+                        # parameters offloaded too (with every optimizer state on the CPU)
+                        for p in _grid(1, n, 16):
+                            sim_p = cost.simulate(seq, misses, n, chunk_bytes, world_size, hw, d,
+                                                  param_cpu=frozenset(range(n - p, n)))
+                            cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, shard, cb, hw, ranks_per_node)
+                            out.append(_candidate(S, n, ckpt, R, d, n, p, sim_p, cpu_end_p[n], shard,
+                                                  cb, world_size, compute_dtype, optimizer, act,
+                                                  frozen, context, hw))
+    return out, packings
+
+
+def _candidate(S, n, ckpt, R, d, k, p, sim: cost.SimResult, cpu_end, shard, cb, W, dtype,
+               optimizer, act, frozen, context, hw: HardwareProfile) -> Candidate:
+    mem = cost.memory(n, S, W, dtype, optimizer, R, k, p, act, frozen, context)
+    dev_opt = (n - k) * shard / hw.device_adam_throughput
+    device_end = sim.backward_end + dev_opt
+    step = max(device_end, cpu_end)
+    # offloaded chunks: gradient shard down, updated parameters up (skipped when they stay on CPU)
+    pcie = k * shard * cb + (k - p) * shard * cb + sim.h2d_param_bytes
+    cpu_time = k * shard / (hw.cpu_adam_throughput / max(1, min(W, hw.gpus_per_node)))
+    return Candidate(
+        chunk_size=S, n_chunks=n, checkpointing=ckpt, rcache_blocks=R, prefetch_depth=d,
+        n_optim_cpu=k, n_param_cpu=p, peak=mem.total(), step_time=step,
+        comm_bytes=sim.gather_bytes + n * S * cb * (W - 1) / W, pcie_bytes=pcie,
+        memory=mem.as_dict(),
+        time={
+            "compute": sim.compute,
+            "collectives": sim.comm_busy,
+            "exposed_communication": max(0.0, sim.backward_end - sim.compute),
+            "device_optimizer": dev_opt,
+            "cpu_optimizer": cpu_time,
+            "pcie": pcie / hw.h2d_bandwidth,
+            "exposed_cpu": max(0.0, cpu_end - device_end),
+            "step": step,
+        },
+        gathers=sim.gathers,
+    )
+
+
+def chain(cands: list[Candidate]) -> list[Candidate]:
+    """The budget-independent selection chain (see the module docstring)."""
+    ordered = sorted(cands, key=lambda c: (c.peak, c.key()))
+    kept: list[Candidate] = []
+    for c in ordered:
+        if not kept:
+            kept.append(c)
+            continue
+        last = kept[-1]
+        if (c.key() < last.key() and c.optim_offload <= last.optim_offload
+                and c.param_offload <= last.param_offload):
+            kept.append(c)
+    return kept
+
+
+# ---------------------------------------------------------------------- public entry point
+def plan(
+    model: nn.Module | Any,
+    example_batch: dict[str, torch.Tensor] | tuple[int, int],
+    hardware: HardwareProfile | str | None = None,
+    world_size: int | None = None,
+    dtype: str | torch.dtype = "bf16",
+    optimizer: str = "adamw",
+    memory_budget: int | str | None = None,
+    profile: ModelProfile | None = None,
+    alternatives: int = 5,
+) -> ElixirPlan:
+    """Profile ``model`` on the meta device and return the fastest plan that fits.
+
+    Args:
+        model: an ``nn.Module`` (not modified) or a transformers config.
+        example_batch: per-rank micro-batch: a dict of tensors (shapes only) or
+            ``(batch_size, seq_len)``.
+        hardware: a ``HardwareProfile``, a preset name, or None for ``HardwareProfile.detect()``.
+        world_size: ranks to shard over (default: the hardware's GPUs per node x nodes).
+        dtype: compute dtype ("bf16", "fp16", "fp32").
+        optimizer: "adamw", "adam" or "sgd" (with momentum).
+        memory_budget: bytes (or "24GiB") per device the plan may use; default the device memory.
+        profile: a ``ModelProfile`` to reuse (must match model, batch and dtype).
+
+    Raises:
+        PlanError: nothing fits; says the smallest per-device memory that would and the largest
+        batch size that fits this budget.
+    """
+    t0 = time.perf_counter()
+    compute_dtype = canonical_dtype(dtype)
+    optimizer = optimizer.lower()
+    if optimizer not in OPTIMIZERS:
+        raise PlanError(f"unsupported optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
+    hw = _resolve_hardware(hardware, world_size)
+    W = int(world_size or hw.world_size)
+    if W < 1:
+        raise PlanError(f"world_size must be >= 1, got {W}")
+    budget = parse_memory(memory_budget) if memory_budget is not None else hw.device_memory
+    if profile is None:
+        profile = profile_model(model, example_batch, dtype=compute_dtype,
+                                attention_target=hw.device_type)
+    t_prof = time.perf_counter() - t0
+
+    cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer)
+    if hw.device_type == "cuda":  # offloaded state must fit in the node's host memory
+        cands = [c for c in cands if _host_bytes(c, W, compute_dtype, optimizer) * min(W, hw.gpus_per_node)
+                 <= 0.9 * hw.cpu_memory] or cands
+    path = chain(cands)
+    fitting = [c for c in path if c.peak <= budget]
+    if not fitting:
+        raise _infeasible(profile, model, example_batch, cands, budget, hw, W, compute_dtype, optimizer)
+    best = fitting[-1]
+
+    chunks = packings[best.chunk_size]
+    n = len(chunks)
+    plan_chunks = [
+        ChunkPlan(params=list(c),
+                  optim_placement="cpu" if i >= n - best.n_optim_cpu else "device",
+                  param_placement="cpu" if i >= n - best.n_param_cpu else "device")
+        for i, c in enumerate(chunks)
+    ]
+    named = [(p.name, torch.empty(p.shape, device="meta")) for p in profile.params]
+    tokens = profile.batch_size * profile.seq_len * W
+    predictions = {
+        "peak_bytes": int(best.peak),
+        "budget_bytes": int(budget),
+        "memory": dict(best.memory),
+        "step_time_s": best.step_time,
+        "time": dict(best.time),
+        "tokens_per_s": tokens / best.step_time if best.step_time > 0 else None,
+        "gathers_per_step": best.gathers,
+        "comm_bytes_per_step": int(best.comm_bytes),
+        "pcie_bytes_per_step": int(best.pcie_bytes),
+        "activation_peak_bytes": {"plain": profile.plain.memory.peak,
+                                  "checkpointed": profile.checkpointed.memory.peak if profile.checkpointed else None},
+        "step_flops": profile.step(best.checkpointing).memory.flops,
+        "hardware": hw.name,
+        "device_type": hw.device_type,
+        "optimizer": optimizer,
+        "batch_size": profile.batch_size,
+        "seq_len": profile.seq_len,
+        "model": profile.model_name,
+        "n_params": profile.n_params,
+        "candidates": len(cands),
+        "profile_seconds": t_prof,
+        "search_seconds": time.perf_counter() - t0 - t_prof,
+        "margin": {"allocator_fraction": cost.ALLOCATOR_MARGIN,
+                   "context_bytes": hw.context_bytes if hw.device_type == "cuda" else 0},
+    }
+    result = ElixirPlan(
+        world_size=W,
+        chunk_size=best.chunk_size,
+        chunks=plan_chunks,
+        compute_dtype=compute_dtype,
+        rcache_blocks=best.rcache_blocks,
+        activation_checkpointing=best.checkpointing,
+        prefetch_depth=best.prefetch_depth,
+        fetch_units=list(profile.fetch_units),
+        signature=model_signature(named),
+        predictions=predictions,
+        alternatives=_alternatives(best, cands, path, budget, alternatives),
+    )
+    return result
+
+
+def _resolve_hardware(hardware, world_size) -> HardwareProfile:
+    if hardware is None:
+        hw = HardwareProfile.detect()
+    elif isinstance(hardware, str):
+        hw = HardwareProfile.preset(hardware)
+    else:
+        hw = hardware
+    if world_size is not None and world_size != hw.world_size:
+        if hw.gpus_per_node > 1 and world_size % hw.gpus_per_node == 0:
+            hw = hw.with_cluster(nodes=world_size // hw.gpus_per_node)
+        else:
+            hw = hw.with_cluster(gpus_per_node=world_size, nodes=1)
+    return hw
+
+
+def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
+    shard = c.chunk_size // W
+    per = 4 + cost.OPTIMIZER_STATE_BYTES[optimizer] + 4
+    return c.n_optim_cpu * shard * per + c.n_param_cpu * shard * cost.DTYPE_BYTES[dtype]
+
+
+def _config_label(c: Candidate) -> str:
+    return (f"chunk {c.chunk_size / 1e6:.2f}M x{c.n_chunks}, rCache {c.rcache_blocks}, "
+            f"ckpt {'on' if c.checkpointing else 'off'}, prefetch {c.prefetch_depth}, "
+            f"optim offload {c.n_optim_cpu}/{c.n_chunks}, param offload {c.n_param_cpu}/{c.n_chunks}")
+
+
+def _alternatives(best: Candidate, cands: list[Candidate], path: list[Candidate], budget: float,
+                  limit: int) -> list[dict[str, Any]]:
+    """The best few losers, one per distinct reason, each with why it lost."""
+    out: list[dict[str, Any]] = []
+    seen: set[tuple] = {(best.chunk_size, best.checkpointing, best.rcache_blocks, best.prefetch_depth,
+                         best.n_optim_cpu, best.n_param_cpu)}
+
+    def add(c: Candidate, reason: str) -> None:
+        sig = (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu)
+        if sig in seen or len(out) >= limit:
+            return
+        seen.add(sig)
+        d = c.describe()
+        d["reason"] = reason
+        out.append(d)
+
+    by_time = sorted(cands, key=Candidate.key)
+    # the fastest candidates that do not fit
+    for c in by_time:
+        if c.peak > budget and c.key() < best.key():
+            add(c, f"does not fit: needs {format_bytes(c.peak)} > budget {format_bytes(budget)}")
+            break
+    # the other setting of activation checkpointing, and the other offload regime
+    for pred, why in (
+        (lambda c: c.checkpointing != best.checkpointing and c.peak <= budget, "slower"),
+        (lambda c: (c.n_optim_cpu > 0) != (best.n_optim_cpu > 0) and c.peak <= budget, "slower"),
+        (lambda c: c.rcache_blocks != best.rcache_blocks and c.peak <= budget, "slower"),
+        (lambda c: c.chunk_size != best.chunk_size and c.peak <= budget, "slower"),
+    ):
+        for c in by_time:
+            if pred(c):
+                if c.key() < best.key():
+                    add(c, "faster but offloads more than a plan that needs less memory")
+                elif c.step_time <= best.step_time * 1.0005:
+                    add(c, "same predicted time but more bytes communicated or more memory")
+                else:
+                    add(c, f"{why}: predicted {c.step_time:.4g} s vs {best.step_time:.4g} s")
+                break
+    for c in by_time:
+        if c.peak > budget:
+            add(c, f"does not fit: needs {format_bytes(c.peak)} > budget {format_bytes(budget)}")
+            break
+    return out
+
+
+def _infeasible(profile: ModelProfile, model, example_batch, cands: list[Candidate], budget: float,
+                hw: HardwareProfile, W: int, dtype: str, optimizer: str) -> PlanError:
+    smallest = min(cands, key=lambda c: c.peak)
+    max_batch = _largest_batch(profile, model, cands, budget, hw, W, dtype)
+    batch_msg = (f"the largest per-device batch size that fits {format_bytes(budget)} is {max_batch} "
+                 f"(at sequence length {profile.seq_len})" if max_batch >= 1 else
+                 f"even batch size 1 does not fit {format_bytes(budget)} at sequence length "
+                 f"{profile.seq_len}")
+    return PlanError(
+        f"no plan fits: {profile.model_name} ({profile.n_params / 1e6:.1f}M trainable parameters, "
+        f"{dtype}, {optimizer}, batch {profile.batch_size} x {profile.seq_len} per device, "
+        f"world size {W}) needs at least {format_bytes(smallest.peak)} per device "
+        f"(smallest plan: {_config_label(smallest)}), but the budget is {format_bytes(budget)}. "
+        f"{batch_msg}. Use a smaller batch size or sequence length, more GPUs, or GPUs with "
+        f"more memory."
+    )
+
+
+def _largest_batch(profile: ModelProfile, model, cands: list[Candidate], budget: float,
+                   hw: HardwareProfile, W: int, dtype: str) -> int:
+    """Largest per-device batch size that fits, scaling activations linearly with batch size.
+
+    Activations and temporaries are linear in the batch size for a fixed sequence length,
+    so the profiled peak scales by b / profiled_batch; the allocator margin scales with it.
+    """
+    B = profile.batch_size
+    best = 0
+    for c in cands:
+        act = c.memory["activations"]
+        rest = c.peak - c.memory["margin"] - act
+        ctx = c.memory["margin"] - cost.ALLOCATOR_MARGIN * (rest + act)
+        room = (budget - ctx) / (1 + cost.ALLOCATOR_MARGIN) - rest
+        if room <= 0 or act <= 0:
+            continue
+        best = max(best, int(room / (act / B)))
+    return best

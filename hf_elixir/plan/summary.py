@@ -1,0 +1,88 @@
+"""``summary(plan)``: a table that explains the plan the search chose and what it beat."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hf_elixir.hardware import format_bytes
+
+_MEM_ORDER = ("parameters", "master_weights", "optimizer_state", "gradients", "rcache",
+              "activations", "frozen_and_buffers", "margin")
+
+
+def _row(label: str, d: dict[str, Any]) -> list[str]:
+    mem = d.get("memory", {})
+    t = d.get("time", {})
+    n = d.get("n_chunks") or 1
+    return [
+        label,
+        f"{d['chunk_size'] / 1e6:.2f}M x{n}",
+        str(d["rcache_blocks"]),
+        "on" if d["activation_checkpointing"] else "off",
+        str(d["prefetch_depth"]),
+        f"{d['optim_offload_chunks']}/{n}",
+        f"{d['param_offload_chunks']}/{n}",
+        format_bytes(d["peak_bytes"]),
+        f"{d['step_time_s'] * 1e3:.1f} ms",
+        f"{t.get('compute', 0) * 1e3:.1f}/{t.get('exposed_communication', 0) * 1e3:.1f}/"
+        f"{t.get('device_optimizer', 0) * 1e3:.1f}/{t.get('exposed_cpu', 0) * 1e3:.1f}",
+        d.get("reason", ""),
+    ]
+
+
+def chosen_as_dict(plan) -> dict[str, Any]:
+    p = plan.predictions
+    return {
+        "chunk_size": plan.chunk_size, "n_chunks": plan.n_chunks,
+        "rcache_blocks": plan.rcache_blocks, "activation_checkpointing": plan.activation_checkpointing,
+        "prefetch_depth": plan.prefetch_depth,
+        "optim_offload_chunks": sum(c.optim_placement == "cpu" for c in plan.chunks),
+        "param_offload_chunks": sum(c.param_placement == "cpu" for c in plan.chunks),
+        "peak_bytes": p.get("peak_bytes", 0), "step_time_s": p.get("step_time_s", 0.0),
+        "memory": p.get("memory", {}), "time": p.get("time", {}), "reason": "chosen: fastest that fits",
+    }
+
+
+def summary(plan) -> str:
+    """Render the chosen plan, its memory and time breakdown and the runners-up as text."""
+    p = plan.predictions
+    lines: list[str] = []
+    head = f"Elixir plan for {p.get('model', 'model')}" if p else "Elixir plan"
+    lines.append(head)
+    if p:
+        lines.append(
+            f"  {p.get('n_params', 0) / 1e6:.1f}M trainable parameters, {plan.compute_dtype}, "
+            f"{p.get('optimizer', '?')}, batch {p.get('batch_size')} x {p.get('seq_len')} per device, "
+            f"world size {plan.world_size} on {p.get('hardware')}"
+        )
+        lines.append(
+            f"  predicted peak {format_bytes(p['peak_bytes'])} of {format_bytes(p['budget_bytes'])} "
+            f"budget; step {p['step_time_s'] * 1e3:.1f} ms"
+            + (f", {p['tokens_per_s']:.0f} tokens/s" if p.get("tokens_per_s") else "")
+        )
+        lines.append("")
+        lines.append("  memory per device:")
+        mem = p.get("memory", {})
+        for k in _MEM_ORDER:
+            if k in mem:
+                lines.append(f"    {k:<20} {format_bytes(mem[k]):>12}")
+        lines.append("  step time:")
+        for k, v in p.get("time", {}).items():
+            lines.append(f"    {k:<22} {v * 1e3:>10.2f} ms")
+        lines.append("")
+    header = ["", "chunks", "rCache", "ckpt", "prefetch", "optim off", "param off", "peak",
+              "step", "comp/comm/opt/cpu ms", "why"]
+    rows = [header]
+    if p:
+        rows.append(_row("chosen", chosen_as_dict(plan)))
+    for i, a in enumerate(plan.alternatives):
+        rows.append(_row(f"alt {i + 1}", a))
+    if len(rows) > 1:
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        for r in rows:
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+    else:
+        lines.append(f"  {plan.n_chunks} chunks of {plan.chunk_size} elements, rCache "
+                     f"{plan.rcache_blocks}, checkpointing {plan.activation_checkpointing}, "
+                     f"optimizer offload {plan.offload_fraction():.0%} (no predictions recorded)")
+    return "\n".join(lines)
