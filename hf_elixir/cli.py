@@ -1,0 +1,208 @@
+"""``hf-elixir``: the command line.
+
+Each subcommand is a ``register_<name>(subparsers)`` function that adds its parser and sets
+``func``; ``COMMANDS`` lists them, so a new subcommand (export, config, launch, demo) is one
+function appended to the list. Exit status: 0 success, 1 when no plan fits, 2 for bad
+arguments (unknown preset, unreadable memory size or model).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Callable
+
+EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE = 0, 1, 2
+
+
+class CLIError(Exception):
+    """A usage error: printed without a traceback, exit status 2."""
+
+
+# ---------------------------------------------------------------------- model loading
+def load_config(model: str):
+    """A transformers config from a config JSON, a model folder, a known name or a hub id.
+
+    Only the config is read, never weights.
+    """
+    from transformers import AutoConfig
+
+    from hf_elixir.profile.configs import known_config
+
+    path = Path(model)
+    if path.is_file():
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise CLIError(f"cannot read config JSON {model}: {e}") from e
+        if "model_type" not in data:
+            raise CLIError(f"{model} has no 'model_type'; is it a transformers config.json?")
+        model_type = data.pop("model_type")
+        try:
+            cfg = AutoConfig.for_model(model_type, **data)
+        except ValueError as e:
+            raise CLIError(f"{model}: {e}") from e
+        cfg._name_or_path = path.stem if path.name != "config.json" else path.parent.name
+        return cfg
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise CLIError(f"{model} is a folder without config.json")
+        return load_config(str(path / "config.json"))
+    cfg = known_config(model)
+    if cfg is not None:
+        return cfg
+    try:
+        return AutoConfig.from_pretrained(model)
+    except Exception as e:  # offline, unknown id, gated repo...
+        raise CLIError(
+            f"cannot load a config for {model!r} ({type(e).__name__}: {str(e).splitlines()[0][:200]}); "
+            "pass a config JSON or a local model folder"
+        ) from e
+
+
+# ---------------------------------------------------------------------- plan
+def register_plan(sub) -> None:
+    p = sub.add_parser("plan", help="profile a model on the meta device and print the plan the search picks",
+                       description="Profile MODEL (config only, never weights) and print the fastest plan that fits.")
+    p.add_argument("model", help="hub id, local model folder, config JSON, or a known name (gpt2-xl, llama-2-7b, ...)")
+    p.add_argument("--gpus", type=int, default=None, help="GPUs per node (default: the hardware's)")
+    p.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
+    p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 24GiB, '24 GB', 24000MB")
+    p.add_argument("--hardware", default=None,
+                   help="hardware preset (a100-40g, a100-80g, h100-80g, h200, l4, t4, v100-32g, rtx3090, "
+                        "rtx4090, cpu); default: this machine")
+    p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU")
+    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
+    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
+    p.add_argument("--plot", default=None, help="write a PNG of memory and step-time breakdowns here")
+    p.set_defaults(func=cmd_plan)
+
+
+def _hardware_from_args(args):
+    from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
+
+    try:
+        hw = HardwareProfile.preset(args.hardware) if args.hardware else HardwareProfile.detect()
+        memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
+    except HardwareError as e:
+        raise CLIError(str(e)) from e
+    if args.gpus is not None and args.gpus < 1:
+        raise CLIError(f"--gpus must be >= 1, got {args.gpus}")
+    if args.nodes is not None and args.nodes < 1:
+        raise CLIError(f"--nodes must be >= 1, got {args.nodes}")
+    return hw.with_cluster(gpus_per_node=args.gpus, nodes=args.nodes, device_memory=memory)
+
+
+def cmd_plan(args) -> int:
+    from hf_elixir.plan.plan import PlanError
+    from hf_elixir.plan.search import plan as make_plan
+    from hf_elixir.plan.summary import summary
+
+    if args.batch_size < 1 or args.seq_len < 1:
+        raise CLIError("--batch-size and --seq-len must be positive")
+    hw = _hardware_from_args(args)
+    cfg = load_config(args.model)
+    try:
+        result = make_plan(cfg, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
+                           dtype=args.dtype, optimizer=args.optimizer)
+    except PlanError as e:
+        print(f"hf-elixir plan: {e}", file=sys.stderr)
+        return EXIT_INFEASIBLE
+    print(summary(result))
+    if args.json_path:
+        result.to_json(args.json_path)
+        print(f"\nplan written to {args.json_path}")
+    if args.plot:
+        plot_plan(result, args.plot)
+        print(f"plot written to {args.plot}")
+    return EXIT_OK
+
+
+def plot_plan(plan, path: str) -> None:
+    """PNG: memory by category against the budget (chosen plan and alternatives) and the
+    predicted step-time breakdown."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as e:  # pragma: no cover - matplotlib is in the `plot` extra
+        raise CLIError("--plot needs matplotlib: pip install 'hf_elixir[plot]'") from e
+    from hf_elixir.plan.summary import _MEM_ORDER, chosen_as_dict
+
+    entries = [("chosen", chosen_as_dict(plan))] + [(f"alt {i + 1}", a) for i, a in enumerate(plan.alternatives)]
+    gib = 2**30
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    labels = [name for name, _ in entries]
+    bottom = [0.0] * len(entries)
+    for cat in _MEM_ORDER:
+        vals = [d.get("memory", {}).get(cat, 0) / gib for _, d in entries]
+        ax1.bar(labels, vals, bottom=bottom, label=cat)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    budget = plan.predictions.get("budget_bytes")
+    if budget:
+        ax1.axhline(budget / gib, color="black", linestyle="--", label="budget")
+    ax1.set_ylabel("GiB per device")
+    ax1.set_title("predicted peak memory")
+    ax1.legend(fontsize=7)
+    parts = ("compute", "exposed_communication", "device_optimizer", "exposed_cpu")
+    bottom = [0.0] * len(entries)
+    for part in parts:
+        vals = [d.get("time", {}).get(part, 0) * 1e3 for _, d in entries]
+        ax2.bar(labels, vals, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+    ax2.set_ylabel("ms per step")
+    ax2.set_title("predicted step time")
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------- calibrate
+def register_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine and cache the hardware profile as JSON")
+    p.add_argument("--output", default=None, help="where to write the JSON (default: the user cache)")
+    p.add_argument("--quick", action="store_true", help="smaller measurements (seconds, less accurate)")
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args) -> int:
+    from hf_elixir.hardware import HardwareProfile, cache_path
+
+    prof = HardwareProfile.calibrate(output=args.output, quick=args.quick)
+    print(prof.describe())
+    print(f"\nsaved to {args.output or cache_path()}")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------- entry point
+COMMANDS: list[Callable] = [register_plan, register_calibrate]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hf-elixir", description="Automatic memory planning and a "
+                                     "chunk-based sharded runtime for Hugging Face causal LMs.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for register in COMMANDS:
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as e:
+        print(f"hf-elixir {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
