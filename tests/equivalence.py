@@ -13,8 +13,6 @@ comparison would measure that noise; with 1e-6 it measures the runtime.
 from __future__ import annotations
 
 import copy
-from typing import Callable
-
 import torch
 
 from tiny_models import make_batch, make_dynamic_moe, make_model
@@ -27,13 +25,18 @@ def build(arch: str) -> torch.nn.Module:
     return make_dynamic_moe() if arch == "dynamic_moe" else make_model(arch)
 
 
-def make_optimizer(model: torch.nn.Module):
+def make_optimizer(model: torch.nn.Module, kind: str = "adamw"):
     decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for n, p in model.named_parameters() if p.requires_grad and p.ndim < 2]
-    opt = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, eps=EPS,
-    )
+    groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+    if kind == "adamw":
+        opt = torch.optim.AdamW(groups, lr=LR, eps=EPS)
+    elif kind == "adam":
+        opt = torch.optim.Adam(groups, lr=LR, eps=EPS, betas=(0.8, 0.95))
+    elif kind == "sgd":
+        opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
+    else:
+        raise ValueError(kind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     return opt, sched
 
@@ -43,15 +46,31 @@ def loss_of(model, ids):
     return out["loss"]
 
 
-def reference_run(arch: str, steps: int = STEPS, prepare: Callable | None = None) -> dict:
+def freeze_position_embeddings(model) -> None:
+    model.transformer.wpe.weight.requires_grad_(False)
+
+
+def skip_second_layer_on_odd_steps(model, step: int) -> None:
+    """Rank-independent control flow: the run leaves the recorded chunk order."""
+    model.skip_layers = {1} if step % 2 else set()
+
+
+PREPARE = {"freeze_wpe": freeze_position_embeddings}
+ON_STEP = {"skip_layer": skip_second_layer_on_odd_steps}
+
+
+def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt_kind: str = "adamw",
+                  on_step: str | None = None) -> dict:
     torch.manual_seed(0)
     model = build(arch)
     if prepare:
-        prepare(model)
-    opt, sched = make_optimizer(model)
+        PREPARE[prepare](model)
+    opt, sched = make_optimizer(model, opt_kind)
     ids = make_batch(GLOBAL_BATCH, SEQ)
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if on_step:
+            ON_STEP[on_step](model, step)
         loss = loss_of(model, ids)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -63,7 +82,7 @@ def reference_run(arch: str, steps: int = STEPS, prepare: Callable | None = None
 
 
 def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict, steps: int = STEPS,
-               prepare: Callable | None = None) -> dict:
+               prepare: str | None = None, opt_kind: str = "adamw", on_step: str | None = None) -> dict:
     """One rank of the hf_elixir side. Returns losses, final full state and memory report."""
     import torch.distributed as dist
 
@@ -72,8 +91,8 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict, steps: 
     torch.manual_seed(0)
     model = build(arch)
     if prepare:
-        prepare(model)
-    opt, sched = make_optimizer(model)
+        PREPARE[prepare](model)
+    opt, sched = make_optimizer(model, opt_kind)
     plan = hfe.ElixirPlan.simple(model, world_size, **plan_kwargs)
     emodel = hfe.ElixirModule(model, plan)
     eopt = hfe.ElixirOptimizer(emodel, opt)
@@ -81,7 +100,9 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict, steps: 
     micro = GLOBAL_BATCH // ACCUM
     per_rank = micro // world_size
     losses = []
-    for _ in range(steps):
+    for step in range(steps):
+        if on_step:
+            ON_STEP[on_step](model, step)
         total = torch.zeros(1)
         for m in range(ACCUM):
             rows = ids[m * micro + rank * per_rank : m * micro + (rank + 1) * per_rank]
@@ -100,15 +121,19 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict, steps: 
             "memory": emodel.memory_report(), "n_chunks": plan.n_chunks}
 
 
-def assert_matches(ref: dict, got: dict, rtol: float = 1e-5, label: str = "") -> None:
+def assert_matches(ref: dict, got: dict, rtol: float = 1e-5, atol: float = 3e-8, label: str = "") -> None:
+    """Losses within ``rtol``; each weight tensor within ``rtol`` of its norm, plus ``atol``
+    per element (RMS) for tensors that are pure rounding noise: a parameter whose gradient
+    is identically zero, like OPT's zero-initialised key bias, holds values of ~1e-8."""
     for step, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
         assert abs(a - b) <= rtol * abs(a), f"{label} step {step}: loss {b} != reference {a}"
     assert set(ref["state"]) == set(got["state"]), f"{label}: state_dict keys differ"
     for key, want in ref["state"].items():
         have = got["state"][key]
         assert have.shape == want.shape, f"{label} {key}: shape {have.shape} != {want.shape}"
-        err = (have.float() - want.float()).norm() / want.float().norm().clamp_min(1e-12)
-        assert err <= rtol, f"{label} {key}: relative error {err:.2e} > {rtol:.0e}"
+        diff = (have.float() - want.float()).norm().item()
+        bound = rtol * want.float().norm().item() + atol * want.numel() ** 0.5
+        assert diff <= bound, f"{label} {key}: |diff| {diff:.2e} > {bound:.2e} (norm {want.norm():.2e})"
 
 
 PLANS = {

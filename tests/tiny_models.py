@@ -79,6 +79,8 @@ class _MoE(nn.Module):
     def __init__(self, d: int, n_experts: int) -> None:
         super().__init__()
         self.router = nn.Linear(d, n_experts)
+        with torch.no_grad():  # the last expert is (almost) never picked: its grads stay None
+            self.router.bias[-1] = -20.0
         self.experts = nn.ModuleList(_Expert(d) for _ in range(n_experts))
 
     def forward(self, x):
@@ -103,11 +105,13 @@ class DynamicMoELM(nn.Module):
         self.layers = nn.ModuleList(_MoE(d, n_experts) for _ in range(n_layers))
         self.norm = nn.LayerNorm(d)
         self.head = nn.Linear(d, VOCAB, bias=False)
+        self.skip_layers: set[int] = set()
 
     def forward(self, input_ids, labels=None):
         h = self.embed(input_ids)
-        for layer in self.layers:
-            h = h + layer(h)
+        for i, layer in enumerate(self.layers):
+            if i not in self.skip_layers:
+                h = h + layer(h)
         logits = self.head(self.norm(h))
         loss = None
         if labels is not None:

@@ -204,15 +204,15 @@ class ElixirPlan:
             )
         if self.world_size < 1:
             raise PlanError(f"world_size must be >= 1, got {self.world_size}")
-        if world_size is not None and world_size != self.world_size:
-            raise PlanError(
-                f"the plan was made for world size {self.world_size} but the process group has "
-                f"{world_size} ranks; make a plan for {world_size} ranks"
-            )
         if self.chunk_size <= 0 or self.chunk_size % self.world_size:
             raise PlanError(
                 f"chunk_size {self.chunk_size} is not a positive multiple of the world size "
                 f"{self.world_size}; round it up to {-(-max(self.chunk_size, 1) // self.world_size) * self.world_size}"
+            )
+        if world_size is not None and world_size != self.world_size:
+            raise PlanError(
+                f"the plan was made for world size {self.world_size} but the process group has "
+                f"{world_size} ranks; make a plan for {world_size} ranks"
             )
         canonical_dtype(self.compute_dtype)
         if self.rcache_blocks < 1:

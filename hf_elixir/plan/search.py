@@ -20,6 +20,7 @@ candidate — no offload, every chunk cached — is chosen.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -374,7 +375,7 @@ def _infeasible(profile: ModelProfile, model, example_batch, cands: list[Candida
                  f"(at sequence length {profile.seq_len})" if max_batch >= 1 else
                  f"even batch size 1 does not fit {format_bytes(budget)} at sequence length "
                  f"{profile.seq_len}")
-    return PlanError(
+    err = PlanError(
         f"no plan fits: {profile.model_name} ({profile.n_params / 1e6:.1f}M trainable parameters, "
         f"{dtype}, {optimizer}, batch {profile.batch_size} x {profile.seq_len} per device, "
         f"world size {W}) needs at least {format_bytes(smallest.peak)} per device "
@@ -382,6 +383,9 @@ def _infeasible(profile: ModelProfile, model, example_batch, cands: list[Candida
         f"{batch_msg}. Use a smaller batch size or sequence length, more GPUs, or GPUs with "
         f"more memory."
     )
+    err.min_memory = int(math.ceil(smallest.peak))  # type: ignore[attr-defined]
+    err.max_batch_size = max_batch  # type: ignore[attr-defined]
+    return err
 
 
 def _largest_batch(profile: ModelProfile, model, cands: list[Candidate], budget: float,

@@ -155,6 +155,104 @@ class ElixirOptimizer(Optimizer):
             chunk.grad_shard.mul_(coef.to(chunk.grad_shard.device))
         return total
 
+    # ------------------------------------------------------------------ state dicts
+    def _param_index(self) -> list[tuple[int, Optional[Slot]]]:
+        """(index in torch's state_dict numbering, slot) for each parameter of each group."""
+        slot_of = {id(s.param): s for s in self.module.slots}
+        out, idx = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                out.append((idx, slot_of.get(id(p))))
+                idx += 1
+        return out
+
+    def _global_steps(self) -> torch.Tensor:
+        steps = torch.zeros(len(self.module.slots), dtype=torch.float32)
+        for index, t in self.steps.items():
+            steps[index] = float(t)
+        return self.module.comm.all_reduce(steps, op="max")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Full (unsharded) state in torch.optim's own format, keyed like the user's optimizer
+        would key it; collective: call on every rank."""
+        steps = self._global_steps()
+        names = list(self.flat_state[0]) if self.flat_state else []
+        full_state: dict[int, dict[str, torch.Tensor]] = {}
+        per_slot: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
+        for chunk, flat in zip(self.module.chunks, self.flat_state):
+            for name in names:
+                full = torch.empty(chunk.size, dtype=torch.float32, device=chunk.device)
+                self.module.comm.all_gather(full, flat[name].to(chunk.device)).wait()
+                full = full.cpu()
+                for slot in chunk.slots:
+                    per_slot[slot.index][name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        for idx, slot in self._param_index():
+            if slot is None or steps[slot.index] == 0:
+                continue
+            entry = {"step": steps[slot.index].clone()} if self.algorithm != "sgd" else {}
+            entry.update(per_slot[slot.index])
+            full_state[idx] = entry
+        groups = []
+        start = 0
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = list(range(start, start + len(group["params"])))
+            start += len(group["params"])
+            groups.append(packed)
+        out: dict[str, Any] = {"state": full_state, "param_groups": groups}
+        if self.scaler is not None:
+            out["loss_scaler"] = self.scaler.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state_dict from ``state_dict()`` (or from the plain torch optimizer of the same
+        unsharded model). Everything is checked before anything changes."""
+        groups = state_dict.get("param_groups")
+        if groups is None or "state" not in state_dict:
+            raise ValueError("not an optimizer state_dict: it needs 'state' and 'param_groups'")
+        if len(groups) != len(self.param_groups) or any(
+            len(g["params"]) != len(own["params"]) for g, own in zip(groups, self.param_groups)
+        ):
+            raise ValueError(
+                "the optimizer state_dict has a different number of param_groups or parameters "
+                "per group than this optimizer; it was saved for another model or grouping"
+            )
+        index = dict(self._param_index())
+        names = list(self.flat_state[0]) if self.flat_state else []
+        for idx, entry in state_dict["state"].items():
+            slot = index.get(int(idx))
+            if slot is None:
+                continue
+            for name in names:
+                if name in entry and tuple(entry[name].shape) != tuple(slot.shape):
+                    raise ValueError(
+                        f"optimizer state {name!r} for parameter {slot.name!r} has shape "
+                        f"{tuple(entry[name].shape)}, expected {tuple(slot.shape)}"
+                    )
+        # ---- checked: apply
+        for own, saved in zip(self.param_groups, groups):
+            for k, v in saved.items():
+                if k != "params":
+                    own[k] = v
+        by_slot = {index[int(i)].index: e for i, e in state_dict["state"].items() if index.get(int(i))}
+        self._momentum_started.clear()
+        for chunk, flat in zip(self.module.chunks, self.flat_state):
+            for slot, begin, end, pbegin in chunk.local_slices():
+                entry = by_slot.get(slot.index, {})
+                for name in names:
+                    src = entry.get(name)
+                    view = flat[name][begin:end]
+                    if src is None:
+                        view.zero_()
+                    else:
+                        view.copy_(src.reshape(-1)[pbegin : pbegin + end - begin])
+                        if name == "momentum_buffer":
+                            self._momentum_started.add(slot.index)
+                if slot.index in self.steps:
+                    self.steps[slot.index].fill_(float(entry.get("step", 0.0)))
+        if self.scaler is not None and "loss_scaler" in state_dict:
+            self.scaler.load_state_dict(state_dict["loss_scaler"])
+
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
         for chunk in self.module.chunks:
