@@ -1,0 +1,172 @@
+"""The plan search: properties of the choice (acceptance 2) and known cases (4, 5).
+
+Memory figures used in the reasoning below, bf16 + AdamW, per element: parameter 2 B,
+fp32 master 4 B, exp_avg + exp_avg_sq 8 B, fp32 gradient shard 4 B -> 16 B of optimizer-side
+state that can be offloaded, 2 B that normally stays.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+from hf_elixir.hardware import GiB, HardwareProfile
+from hf_elixir.plan.cost import belady_misses, Access, pack
+from hf_elixir.plan.plan import PlanError
+from hf_elixir.plan.search import plan
+from hf_elixir.plan.summary import summary
+from hf_elixir.profile import profile_model
+from hf_elixir.profile.configs import known_config
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    model = AutoModelForCausalLM.from_config(cfg)
+    return model, profile_model(model, (2, 32), dtype="float32", attention_target="cuda")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=128)
+    model = AutoModelForCausalLM.from_config(cfg)
+    return model, profile_model(model, (2, 32), dtype="float32", attention_target="cuda")
+
+
+def _sweep(model, prof, world_size, budgets):
+    plans = []
+    for b in budgets:
+        try:
+            plans.append((b, plan(model, (2, 32), hardware="a100-80g", world_size=world_size, dtype="fp32",
+                                  memory_budget=b, profile=prof)))
+        except PlanError:
+            plans.append((b, None))
+    return plans
+
+
+@pytest.mark.parametrize("fixture,world_size", [("gpt2", 1), ("gpt2", 2), ("llama", 2), ("llama", 3)])
+def test_search_properties_over_a_budget_sweep(request, fixture, world_size):
+    model, prof = request.getfixturevalue(fixture)
+    hw = HardwareProfile.preset("a100-80g")
+    roomy = plan(model, (2, 32), hardware=hw, world_size=world_size, dtype="fp32", profile=prof)
+    # with room for everything: no offload at all, and the rCache holds every chunk
+    assert roomy.offload_fraction() == 0
+    assert all(c.param_placement == "device" for c in roomy.chunks)
+    assert roomy.rcache_blocks >= roomy.n_chunks
+    assert not roomy.activation_checkpointing
+    # sweep budgets from the roomy plan's peak (minus context) down to infeasible
+    ctx = hw.context_bytes
+    top = roomy.predictions["peak_bytes"]
+    budgets = [int(ctx + (top - ctx) * f) for f in (1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.45, 0.4, 0.35, 0.3,
+                                                  0.25, 0.2, 0.15, 0.1, 0.05)]
+    results = _sweep(model, prof, world_size, budgets)
+    feasible = [(b, p) for b, p in results if p is not None]
+    assert len(feasible) >= 4 and results[-1][1] is None  # the sweep reaches infeasibility
+    seen_infeasible = False
+    prev = None
+    for b, p in results:  # budgets decreasing
+        if p is None:
+            seen_infeasible = True
+            continue
+        assert not seen_infeasible, "feasibility must be monotone in the budget"
+        p.validate(model, world_size=world_size)
+        assert p.chunk_size % world_size == 0
+        assert p.predictions["peak_bytes"] <= b  # every plan fits its budget
+        assert p.rcache_blocks >= 2
+        if prev is not None:
+            # a larger budget never predicts a slower step
+            assert prev.predictions["step_time_s"] <= p.predictions["step_time_s"] * (1 + 1e-9)
+            # shrinking the budget offloads monotonically more
+            assert p.offload_fraction() >= prev.offload_fraction()
+            assert (sum(c.param_placement == "cpu" for c in p.chunks) / p.n_chunks
+                    >= sum(c.param_placement == "cpu" for c in prev.chunks) / prev.n_chunks)
+        prev = p
+    assert prev.offload_fraction() > 0  # the tightest feasible budget does offload
+
+
+def test_infeasible_raises_with_minimum_memory_that_then_fits(gpt2):
+    model, prof = gpt2
+    with pytest.raises(PlanError) as info:
+        plan(model, (2, 32), hardware="a100-80g", world_size=2, dtype="fp32", memory_budget=1000, profile=prof)
+    err = info.value
+    assert "needs at least" in str(err) and "batch size" in str(err)
+    ok = plan(model, (2, 32), hardware="a100-80g", world_size=2, dtype="fp32", memory_budget=err.min_memory,
+              profile=prof)
+    assert ok.predictions["peak_bytes"] <= err.min_memory
+    with pytest.raises(PlanError):
+        plan(model, (2, 32), hardware="a100-80g", world_size=2, dtype="fp32", memory_budget=err.min_memory - 1,
+             profile=prof)
+
+
+def test_infeasible_batch_reports_a_batch_size_that_fits():
+    cfg = known_config("gpt2-xl")
+    with pytest.raises(PlanError) as info:
+        plan(cfg, (64, 1024), hardware="rtx4090", world_size=1)
+    b = info.value.max_batch_size
+    assert 1 <= b < 64 and f"is {b}" in str(info.value)
+    plan(cfg, (b, 1024), hardware="rtx4090", world_size=1)  # the suggestion is feasible
+
+
+def test_plan_records_predictions_alternatives_and_summary(llama):
+    model, prof = llama
+    ctx = HardwareProfile.preset("a100-80g").context_bytes
+    roomy = plan(model, (2, 32), hardware="a100-80g", world_size=2, dtype="fp32", profile=prof)
+    budget = int(ctx + 0.6 * (roomy.predictions["peak_bytes"] - ctx))
+    p = plan(model, (2, 32), hardware="a100-80g", world_size=2, dtype="fp32", profile=prof,
+             memory_budget=budget)
+    assert p.predictions["peak_bytes"] <= budget < roomy.predictions["peak_bytes"]
+    pred = p.predictions
+    for k in ("parameters", "optimizer_state", "gradients", "rcache", "activations", "margin"):
+        assert k in pred["memory"]
+    assert sum(pred["memory"].values()) == pytest.approx(pred["peak_bytes"], abs=16)
+    for k in ("compute", "collectives", "pcie", "cpu_optimizer", "step"):
+        assert k in pred["time"]
+    assert p.alternatives and all("reason" in a for a in p.alternatives)
+    text = summary(p)
+    assert "chosen" in text and "alt 1" in text and "rcache" in text
+    # a plan made for another world size is caught by the plan itself
+    with pytest.raises(PlanError):
+        p.validate(model, world_size=3)
+
+
+def test_belady_replay_counts_regathers():
+    seq = [Access("forward", str(i), (i,), 1.0) for i in range(4)] + \
+          [Access("backward", str(i), (i,), 2.0) for i in reversed(range(4))]
+    assert sum(len(m) for m in belady_misses(seq, 4, 4)) == 4  # every chunk cached: gathered once
+    assert sum(len(m) for m in belady_misses(seq, 4, 3)) == 5  # one re-gather (chunk 0)
+    assert sum(len(m) for m in belady_misses(seq, 4, 2)) == 6
+    assert pack(["a", "b", "c"], {"a": 3, "b": 2, "c": 2}, 4) == [["a"], ["b", "c"]]
+
+
+# ---------------------------------------------------------------------- known cases
+def test_gpt2_xl_on_one_rtx4090_offloads_some_optimizer_state():
+    """1.56B params: bf16 shards 3.1 GB stay; optimizer-side 16 B/param = 25 GB cannot all
+    fit in 24 GiB next to them, but the activations of batch 1 x 1024 (~0.9 GiB with
+    checkpointing) leave room for a good part of it: feasible, with some (not all) offloaded."""
+    p = plan(known_config("gpt2-xl"), (1, 1024), hardware="rtx4090", world_size=1, dtype="bf16")
+    assert 0 < p.offload_fraction() < 1
+    assert all(c.param_placement == "device" for c in p.chunks)
+    assert p.predictions["peak_bytes"] <= 24 * GiB
+
+
+def test_llama2_7b_on_one_24gb_gpu_only_with_offload():
+    """6.74B params: bf16 parameters alone are 13.5 GB, optimizer-side state 108 GB, so on a
+    24 GiB card nearly all optimizer state must live on the CPU."""
+    p = plan(known_config("llama-2-7b"), (1, 1024), hardware="rtx4090", world_size=1, dtype="bf16")
+    assert p.offload_fraction() > 0.5
+    assert p.predictions["peak_bytes"] <= 24 * GiB
+
+
+def test_llama2_7b_on_8x80gb_needs_no_offload_and_plans_fast():
+    """Sharded over 8 ranks, the 16+2 B/param state is ~15 GB per GPU: fits 80 GiB outright."""
+    t = time.perf_counter()
+    p = plan(known_config("llama-2-7b"), (1, 1024), hardware="a100-80g", world_size=8, dtype="bf16")
+    elapsed = time.perf_counter() - t
+    print(f"planning llama-2-7b: {elapsed:.2f} s")
+    assert elapsed < 20  # acceptance 5
+    assert p.offload_fraction() == 0
+    assert p.world_size == 8 and p.chunk_size % 8 == 0
+    assert p.predictions["peak_bytes"] <= 80 * GiB
