@@ -7,8 +7,9 @@ parameter shards       chunks with param_placement "device": n * chunk_size/W * 
 master weights         fp32 shard (4 B/element) per chunk whose optimizer runs on the device;
                        aliased with the parameter shard when the compute dtype is fp32
 optimizer state        AdamW/Adam: exp_avg + exp_avg_sq (8 B/element); SGD: momentum (4 B/element)
-gradients              fp32 gradient shard (4 B/element) per device-optimizer chunk, plus
-                       ``GRAD_BUFFER_CHUNKS`` full-chunk gradient buffers in the compute dtype
+gradients              fp32 gradient shard (4 B/element) per device-optimizer chunk, plus the
+                       full-chunk gradient buffers (compute dtype) alive at once in backward
+                       (``grad_buffer_chunks``: at least ``GRAD_BUFFER_CHUNKS``)
 rCache                 rcache_blocks * chunk_size * compute bytes
 activations            the profiler's peak of live activations and temporaries
 frozen                 parameters that need no gradient and buffers, kept whole on the device
@@ -140,6 +141,28 @@ def max_span(module_params, param_chunk: dict[str, int]) -> int:
     for params in module_params.values():
         span = max(span, len({param_chunk[p] for p in params if p in param_chunk}))
     return span
+
+
+def grad_buffer_chunks(seq: Sequence[Access], n_chunks: int) -> int:
+    """Full-chunk gradient buffers alive at once in backward.
+
+    A chunk's buffer lives from the first backward access of any of its parameters until the
+    last (then it is reduce-scattered and freed); tied weights used at both ends of the model
+    keep theirs open across the whole backward. Two more cover the reductions in flight
+    (the runtime's ledger shows up to two chunks finishing their reduce-scatter at once).
+    """
+    first: dict[int, int] = {}
+    last: dict[int, int] = {}
+    for i, a in enumerate(seq):
+        if a.phase != "backward":
+            continue
+        for c in a.chunks:
+            first.setdefault(c, i)
+            last[c] = i
+    best = 0
+    for i in range(len(seq)):
+        best = max(best, sum(1 for c in first if first[c] <= i <= last[c]))
+    return max(GRAD_BUFFER_CHUNKS, best + 2)  # not capped at n_chunks: see the ledger
 
 
 def belady_misses(seq: Sequence[Access], n_chunks: int, blocks: int) -> list[tuple[int, ...]]:
@@ -325,7 +348,7 @@ class MemoryBreakdown:
 
 def memory(n_chunks: int, chunk_size: int, world_size: int, compute_dtype: str, optimizer: str,
            rcache_blocks: int, n_optim_cpu: int, n_param_cpu: int, activation_bytes: float,
-           frozen_bytes: float, context_bytes: float) -> MemoryBreakdown:
+           frozen_bytes: float, context_bytes: float, grad_buffers: int | None = None) -> MemoryBreakdown:
     """Predicted peak device bytes per rank (see the module docstring for each category).
 
     Offloaded chunks are the last ``n_optim_cpu`` (optimizer) and last ``n_param_cpu``
@@ -340,7 +363,8 @@ def memory(n_chunks: int, chunk_size: int, world_size: int, compute_dtype: str, 
         parameters=dev_params * shard * cb,
         master_weights=0.0 if aliased else dev_optim * shard * 4,
         optimizer_state=dev_optim * shard * OPTIMIZER_STATE_BYTES[optimizer],
-        gradients=dev_optim * shard * 4 + min(GRAD_BUFFER_CHUNKS, n_chunks) * chunk_size * cb,
+        gradients=dev_optim * shard * 4
+        + (min(GRAD_BUFFER_CHUNKS, n_chunks) if grad_buffers is None else grad_buffers) * chunk_size * cb,
         rcache=rcache_blocks * chunk_size * cb,
         activations=activation_bytes,
         frozen=frozen_bytes,

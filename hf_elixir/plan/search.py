@@ -123,6 +123,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                                        step.memory.flops, step.memory.forward_flops, rate)
             span = cost.max_span(tr.module_params, param_chunk)
             act = step.memory.peak
+            gbufs = cost.grad_buffer_chunks(seq, n)
             for d in PREFETCH_DEPTHS:
                 r_min = max(2, span + max(1, d))
                 r_max = max(n, r_min)
@@ -133,7 +134,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                     for k in _grid(0, n):
                         out.append(_candidate(S, n, ckpt, R, d, k, 0, sim, cpu_end[k], shard, cb,
                                               world_size, compute_dtype, optimizer, act, frozen,
-                                              context, hw))
+                                              context, hw, gbufs))
                     if d == 1 and R == r_min:
                         # parameters offloaded too (with every optimizer state on the CPU)
                         for p in _grid(1, n, 16):
@@ -142,13 +143,13 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                             cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, shard, cb, hw, ranks_per_node)
                             out.append(_candidate(S, n, ckpt, R, d, n, p, sim_p, cpu_end_p[n], shard,
                                                   cb, world_size, compute_dtype, optimizer, act,
-                                                  frozen, context, hw))
+                                                  frozen, context, hw, gbufs))
     return out, packings
 
 
 def _candidate(S, n, ckpt, R, d, k, p, sim: cost.SimResult, cpu_end, shard, cb, W, dtype,
-               optimizer, act, frozen, context, hw: HardwareProfile) -> Candidate:
-    mem = cost.memory(n, S, W, dtype, optimizer, R, k, p, act, frozen, context)
+               optimizer, act, frozen, context, hw: HardwareProfile, gbufs: int) -> Candidate:
+    mem = cost.memory(n, S, W, dtype, optimizer, R, k, p, act, frozen, context, gbufs)
     dev_opt = (n - k) * shard / hw.device_adam_throughput
     device_end = sim.backward_end + dev_opt
     step = max(device_end, cpu_end)

@@ -112,7 +112,10 @@ class LiveStorageTracker(TorchDispatchMode):
             if x.dtype == torch.bool:
                 return True
             return 0.0 if (x.is_floating_point() or x.is_complex()) else 0
-        out = func(*args, **kwargs)
+        try:
+            out = func(*args, **kwargs)
+        except RuntimeError:
+            out = _meta_retry_in_bf16(func, args, kwargs)
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
@@ -127,6 +130,22 @@ class LiveStorageTracker(TorchDispatchMode):
                 if self.on_flops is not None:
                     self.on_flops(n)
         return out
+
+
+def _meta_retry_in_bf16(func, args, kwargs):
+    """Some meta kernels check CUDA-only dtype rules (``_grouped_mm`` wants bf16, the CPU
+    kernel takes fp32 too). Re-run such an op on bf16 meta inputs for its output shapes and
+    give the outputs the dtype of the original inputs; anything else re-raises."""
+    flat = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
+    if "grouped_mm" not in str(func) or not flat or not all(a.is_meta for a in flat):
+        return func(*args, **kwargs)
+    dtype = next(a.dtype for a in flat if a.is_floating_point())
+    from torch.utils._pytree import tree_map
+
+    cast = tree_map(lambda a: a.to(torch.bfloat16) if isinstance(a, torch.Tensor) and a.is_floating_point() else a,
+                    (args, kwargs))
+    out = func(*cast[0], **cast[1])
+    return tree_map(lambda o: o.to(dtype) if isinstance(o, torch.Tensor) and o.is_floating_point() else o, out)
 
 
 # ---------------------------------------------------------------------- attention kernels
