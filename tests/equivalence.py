@@ -127,9 +127,15 @@ def assert_matches(ref: dict, got: dict, rtol: float = 1e-5, atol: float = 3e-8,
     is identically zero, like OPT's zero-initialised key bias, holds values of ~1e-8."""
     for step, (a, b) in enumerate(zip(ref["losses"], got["losses"])):
         assert abs(a - b) <= rtol * abs(a), f"{label} step {step}: loss {b} != reference {a}"
-    assert set(ref["state"]) == set(got["state"]), f"{label}: state_dict keys differ"
-    for key, want in ref["state"].items():
-        have = got["state"][key]
+    assert_state_close(ref["state"], got["state"], rtol, atol, label)
+
+
+def assert_state_close(want_state: dict, have_state: dict, rtol: float = 1e-5, atol: float = 3e-8,
+                       label: str = "") -> None:
+    """Each tensor within ``rtol`` of its norm (plus ``atol`` RMS, see assert_matches)."""
+    assert set(want_state) == set(have_state), f"{label}: state_dict keys differ"
+    for key, want in want_state.items():
+        have = have_state[key]
         assert have.shape == want.shape, f"{label} {key}: shape {have.shape} != {want.shape}"
         diff = (have.float() - want.float()).norm().item()
         bound = rtol * want.float().norm().item() + atol * want.numel() ** 0.5
