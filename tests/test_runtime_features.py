@@ -337,8 +337,10 @@ def test_plan_made_for_a_different_model() -> None:
 def test_rcache_too_small_says_what_to_change() -> None:
     from hf_elixir.runtime.fetch import RCacheTooSmall
 
-    model = make_model("llama")
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=3072, rcache_blocks=1))
+    from tiny_models import make_dynamic_moe
+
+    model = make_dynamic_moe()  # each MoE layer is one fetch unit spanning 3 chunks of 4096
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096, rcache_blocks=2))
     ids = make_batch(2, 8)
     with pytest.raises(RCacheTooSmall, match="more rcache_blocks"):
         em(input_ids=ids, labels=ids)
