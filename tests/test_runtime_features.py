@@ -348,7 +348,7 @@ def test_rcache_too_small_says_what_to_change() -> None:
 
 def test_plan_json_round_trip() -> None:
     model = make_model("mixtral")
-    plan = hfe.ElixirPlan.simple(model, 2, chunk_size=4096, offload_fraction=0.5, compute_dtype="bf16")
+    plan = hfe.ElixirPlan.simple(model, 2, chunk_size=12288, offload_fraction=0.5, compute_dtype="bf16")
     again = hfe.ElixirPlan.from_json(plan.to_json())
     assert again == plan and again.digest() == plan.digest()
     data = plan.to_dict()
