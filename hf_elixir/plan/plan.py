@@ -300,6 +300,12 @@ class ElixirPlan:
             text = Path(text_or_path).read_text()
         return cls.from_dict(json.loads(text))
 
+    def summary(self) -> str:
+        """A table explaining the choice: predictions by category and the runners-up."""
+        from hf_elixir.plan.summary import summary
+
+        return summary(self)
+
     def digest(self) -> str:
         """Digest of the decisions (not the predictions): equal digests shard identically."""
         core = self.to_dict()
