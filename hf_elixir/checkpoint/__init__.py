@@ -1,0 +1,14 @@
+"""Sharded safetensors checkpoints: atomic save, load at any world size or plan, export.
+
+``save(emodel, eoptimizer, directory)`` and ``load(emodel, eoptimizer, directory)`` are
+collective; ``export(directory, output)`` runs in one process without a process group and
+writes a folder ``AutoModelForCausalLM.from_pretrained`` loads. The format is described in
+``sharded.py`` and DESIGN.md section 5.
+"""
+
+from hf_elixir.checkpoint.errors import CheckpointError
+from hf_elixir.checkpoint.export import export
+from hf_elixir.checkpoint.index import FORMAT_VERSION
+from hf_elixir.checkpoint.sharded import load, save
+
+__all__ = ["save", "load", "export", "CheckpointError", "FORMAT_VERSION"]

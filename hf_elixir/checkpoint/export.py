@@ -1,0 +1,163 @@
+"""Consolidate a sharded checkpoint into a folder ``from_pretrained`` loads.
+
+One process, no GPU, no process group. Tensors are assembled one at a time from the saved
+slices (read with ``pread``, no memory map) and written straight into the output file, whose
+header is computed up front from the index; memory therefore stays at about one tensor
+(two when casting), far below one output shard.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from hf_elixir.checkpoint import atomic
+from hf_elixir.checkpoint.errors import CheckpointError
+from hf_elixir.checkpoint.index import UNTRACKED_NAME, resolve, verify_hashes
+from hf_elixir.checkpoint.io import SafetensorsWriter, TensorSpec, dtype_from_name, dtype_name
+from hf_elixir.checkpoint.sharded import _Source
+
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes from 5GB (powers of 1000, like transformers), 2GiB (powers of 1024) or an int."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
+        if m is None or m.group(2).lower() not in _SIZE_UNITS:
+            raise CheckpointError(f"cannot read size {size!r}; write e.g. '5GB', '500MB', '2GiB' or a byte count")
+        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
+    return value
+
+
+def parse_dtype(dtype: None | str | torch.dtype) -> Optional[torch.dtype]:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    key = str(dtype).lower().replace("torch.", "")
+    if key not in _DTYPES:
+        raise CheckpointError(f"unsupported export dtype {dtype!r}; use fp32, bf16 or fp16")
+    return _DTYPES[key]
+
+
+def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
+           max_shard_size: int | str = "5GB", verify: bool = True) -> dict[str, Any]:
+    """Write ``output/model.safetensors`` (or shards plus ``model.safetensors.index.json``),
+    ``config.json``, ``generation_config.json`` and tokenizer files from checkpoint ``directory``.
+
+    ``dtype``: cast floating tensors to this dtype (default: each parameter's dtype before
+    training). The output directory is written under a temporary name and renamed when
+    complete. Returns a summary (files, total bytes, largest tensor bytes).
+    """
+    out_dtype = parse_dtype(dtype)
+    limit = parse_size(max_shard_size)
+    path, index = resolve(directory)
+    output = Path(output).absolute()
+    if output.exists() and (not output.is_dir() or any(output.iterdir())):
+        raise CheckpointError(f"{output} exists and is not empty; export into a new or empty directory")
+    if verify:
+        verify_hashes(path, index, [n for n, f in index["files"].items() if f["kind"] != "optimizer"])
+
+    # what goes out, in the model's state_dict order; tied duplicates are left to from_pretrained
+    entries: dict[str, dict] = {}
+    for p in index["params"]:
+        entries[p["name"]] = {"shape": p["shape"], "dtype": dtype_from_name(p["dtype"]), "numel": p["numel"]}
+    for u in index.get("untracked", []):
+        entries[u["name"]] = {"shape": u["shape"], "dtype": dtype_from_name(u["dtype"]),
+                              "numel": _numel(u["shape"])}
+    order = [k for k in index.get("state_dict_keys", []) if k in entries]
+    order += [k for k in entries if k not in order]
+    specs = []
+    for key in order:
+        e = entries[key]
+        want = e["dtype"]
+        if out_dtype is not None and want.is_floating_point:
+            want = out_dtype
+        specs.append(TensorSpec(key, want, tuple(e["shape"])))
+
+    # pack into shards of at most ``limit`` bytes (a bigger tensor gets a shard of its own)
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        if shards[-1] and used + spec.nbytes > limit:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += spec.nbytes
+    n = len(shards)
+    names = [WEIGHTS_NAME] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+
+    tmp = atomic.tmp_name(output, os.urandom(6).hex())
+    tmp.mkdir(parents=True)
+    source = _Source(path, index)
+    largest = 0
+    try:
+        for fname, shard in zip(names, shards):
+            writer = SafetensorsWriter(tmp / fname, shard, metadata={"format": "pt"})
+            for spec in shard:
+                tensor = _assemble(source, spec.key, entries[spec.key])
+                if tensor.dtype != spec.dtype:
+                    tensor = tensor.to(spec.dtype)
+                largest = max(largest, spec.numel * 4)
+                writer.write(spec.key, tensor)
+                del tensor
+            writer.close()
+        total = sum(s.nbytes for s in specs)
+        if n > 1:
+            weight_map = {spec.key: fname for fname, shard in zip(names, shards) for spec in shard}
+            (tmp / WEIGHTS_INDEX_NAME).write_text(json.dumps(
+                {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
+        for fname in index.get("hf_files", []):
+            shutil.copyfile(path / fname, tmp / fname)
+        if out_dtype is not None and (tmp / "config.json").exists():
+            config = json.loads((tmp / "config.json").read_text())
+            for key in ("dtype", "torch_dtype"):
+                if key in config or key == "dtype":
+                    config[key] = dtype_name(out_dtype)
+            (tmp / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for f in tmp.iterdir():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if output.exists():
+            output.rmdir()
+        os.rename(tmp, output)
+        atomic.fsync_dir(output.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        source.close()
+    return {"output": str(output), "files": names + ([WEIGHTS_INDEX_NAME] if n > 1 else []),
+            "total_bytes": total, "largest_tensor_bytes": largest, "tensors": len(specs),
+            "has_config": "config.json" in index.get("hf_files", [])}
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _assemble(source: _Source, key: str, entry: dict) -> torch.Tensor:
+    """One whole tensor: from the fp32 slices of a chunked parameter, or from the untracked file."""
+    if key in source.params:
+        out = torch.empty(entry["numel"], dtype=torch.float32)
+        source.read(key, 0, entry["numel"], out)
+        return out.view(entry["shape"])
+    return source.reader(UNTRACKED_NAME).read_tensor(key)
