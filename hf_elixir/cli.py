@@ -180,8 +180,35 @@ def cmd_calibrate(args) -> int:
     return EXIT_OK
 
 
+# ---------------------------------------------------------------------- export
+def register_export(sub) -> None:
+    p = sub.add_parser("export", help="consolidate a sharded checkpoint into a from_pretrained() folder",
+                       description="Write OUT/model.safetensors (or shards with model.safetensors.index.json), "
+                                   "config.json, generation_config.json and tokenizer files from the hf_elixir "
+                                   "checkpoint CKPT. Runs in one process; no GPU, no process group.")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory written by hf_elixir.checkpoint.save")
+    p.add_argument("output", metavar="OUT", help="new (or empty) output directory")
+    p.add_argument("--dtype", default=None, help="fp32, bf16 or fp16 (default: the model's own dtypes)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output file, e.g. 5GB, 500MB, 2GiB")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 check of the checkpoint files")
+    p.set_defaults(func=cmd_export)
+
+
+def cmd_export(args) -> int:
+    from hf_elixir.checkpoint import CheckpointError, export
+
+    try:
+        info = export(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
+                      verify=not args.no_verify)
+    except CheckpointError as e:
+        raise CLIError(str(e)) from e
+    print(f"wrote {info['output']}: {info['tensors']} tensors, {info['total_bytes'] / 2**20:.1f} MiB in "
+          f"{', '.join(info['files'])}" + ("" if info["has_config"] else " (no config.json in the checkpoint)"))
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------- entry point
-COMMANDS: list[Callable] = [register_plan, register_calibrate]
+COMMANDS: list[Callable] = [register_plan, register_calibrate, register_export]
 
 
 def build_parser() -> argparse.ArgumentParser:
