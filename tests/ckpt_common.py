@@ -1,0 +1,76 @@
+"""Training helpers shared by the checkpoint tests (importable by spawned ranks)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import hf_elixir as hfe
+from equivalence import ACCUM, GLOBAL_BATCH, SEQ, make_optimizer
+from tiny_models import make_batch, make_model
+
+
+class Run:
+    """One rank's model, optimizer and scheduler, trained with the equivalence recipe."""
+
+    def __init__(self, rank: int, world_size: int, arch: str = "gpt2", plan_kwargs: dict | None = None,
+                 seed: int = 0, opt_kind: str = "adamw") -> None:
+        self.rank, self.world_size = rank, world_size
+        self.model = make_model(arch, seed=seed)
+        opt, self.sched = make_optimizer(self.model, opt_kind)
+        plan = hfe.ElixirPlan.simple(self.model, world_size, **(plan_kwargs or dict(chunk_size=4096)))
+        self.emodel = hfe.ElixirModule(self.model, plan)
+        self.eopt = hfe.ElixirOptimizer(self.emodel, opt)
+        self.ids = make_batch(GLOBAL_BATCH, SEQ)
+
+    def step(self) -> tuple[float, float]:
+        """One optimizer step on the global batch; returns (loss, lr used)."""
+        micro = GLOBAL_BATCH // ACCUM
+        per_rank = micro // self.world_size
+        total = torch.zeros(1)
+        lr = self.eopt.param_groups[0]["lr"]
+        for m in range(ACCUM):
+            rows = self.ids[m * micro + self.rank * per_rank : m * micro + (self.rank + 1) * per_rank]
+            loss = self.emodel(input_ids=rows, labels=rows)["loss"] / ACCUM
+            self.eopt.backward(loss)
+            total += loss.detach()
+        self.eopt.clip_grad_norm_(1.0)
+        self.eopt.step()
+        self.sched.step()
+        self.eopt.zero_grad()
+        if self.world_size > 1:
+            dist.all_reduce(total)
+        return total.item() / self.world_size, lr
+
+    def steps(self, n: int) -> dict:
+        out = [self.step() for _ in range(n)]
+        return {"losses": [l for l, _ in out], "lrs": [lr for _, lr in out]}
+
+    @torch.no_grad()
+    def logits(self) -> torch.Tensor:
+        self.emodel.eval()
+        out = self.emodel(input_ids=self.ids[:4])["logits"].clone()
+        self.emodel.train()
+        return out
+
+    def local_state(self) -> dict:
+        """This rank's shards, optimizer state and step counts (to check nothing changed)."""
+        return {
+            "master": [c.master.clone() for c in self.emodel.chunks],
+            "shard": [c.shard.clone() for c in self.emodel.chunks],
+            "opt": [{k: v.clone() for k, v in s.items()} for s in self.eopt.flat_state],
+            "steps": {k: float(v) for k, v in self.eopt.steps.items()},
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.eopt.param_groups],
+            "untracked": {k: v.clone() for k, v in self.model.state_dict().items() if "attn.bias" in k or "masked" in k},
+        }
+
+
+def assert_same_local_state(a: dict, b: dict) -> None:
+    for x, y in zip(a["master"] + a["shard"], b["master"] + b["shard"]):
+        assert torch.equal(x, y), "model shards changed"
+    for sa, sb in zip(a["opt"], b["opt"]):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), f"optimizer state {k} changed"
+    assert a["steps"] == b["steps"] and a["groups"] == b["groups"]
+    for k in a["untracked"]:
+        assert torch.equal(a["untracked"][k], b["untracked"][k])
