@@ -124,3 +124,23 @@ class DynamicMoELM(nn.Module):
 def make_dynamic_moe(seed: int = 0) -> nn.Module:
     torch.manual_seed(seed)
     return DynamicMoELM()
+
+
+class UniformLM(nn.Module):
+    """Four parameters of exactly 3072 elements: with chunk_size 3072, four equal chunks."""
+
+    def __init__(self, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, d)
+        self.mix = nn.ModuleList(nn.Linear(d, VOCAB, bias=False) for _ in range(2))
+        self.unmix = nn.Linear(VOCAB, d, bias=False)
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+
+    def forward(self, input_ids, labels=None):
+        h = self.embed(input_ids)
+        h = h + self.unmix(torch.relu(self.mix[0](h)))
+        logits = self.mix[1](self.norm(h))
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1))
+        return {"loss": loss, "logits": logits}

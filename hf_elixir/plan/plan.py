@@ -137,6 +137,7 @@ class ElixirPlan:
         activation_checkpointing: bool = False,
         prefetch_depth: int = 1,
         fetch_units: list[str] | None = None,
+        pack_size: int | None = None,
     ) -> "ElixirPlan":
         """A valid plan without search: parameters packed greedily in module order.
 
@@ -145,6 +146,9 @@ class ElixirPlan:
         ``offload_fraction`` of chunks keep their optimizer state on the CPU (the first
         chunks are used first in backward's last stretch, so offloading the tail first
         overlaps best); ``offload_params`` also places those chunks' parameter shards on CPU.
+        ``pack_size`` (default chunk_size) fills chunks only up to that many elements: a
+        parameter larger than it gets a chunk of its own, so a huge embedding does not force
+        every chunk to its size. Smaller chunks overlap communication with compute better.
         """
         if world_size < 1:
             raise PlanError(f"world_size must be >= 1, got {world_size}")
@@ -163,10 +167,11 @@ class ElixirPlan:
                 f"chunk_size {chunk_size} is smaller than parameter {biggest!r} "
                 f"({largest} elements); use chunk_size >= {largest}"
             )
+        fill = chunk_size if pack_size is None else min(max(pack_size, 1), chunk_size)
         groups: list[list[str]] = []
         used = chunk_size
         for name, p in named:
-            if used + p.numel() > chunk_size:
+            if used + p.numel() > fill:
                 groups.append([])
                 used = 0
             groups[-1].append(name)

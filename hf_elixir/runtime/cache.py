@@ -50,7 +50,7 @@ class RCache:
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self.resident: set[int] = set()
+        self.resident: set[int] = set()   # chunks holding a block (gathered or stale)
         self.last_used: dict[int, int] = {}
         self.tick = 0
         self.trace: Optional[ChunkTrace] = None
@@ -128,13 +128,10 @@ class RCache:
         return out
 
     def admit(self, cid: int) -> None:
+        """``cid`` now holds a block."""
         self.resident.add(cid)
-        self.stats.gathers += 1
 
     def evict(self, cid: int) -> None:
         self.resident.discard(cid)
         self.stats.evictions += 1
 
-    def drop(self, cid: int) -> None:
-        """Forget a chunk without counting an eviction (after an optimizer step)."""
-        self.resident.discard(cid)

@@ -24,7 +24,7 @@ from hf_elixir.runtime.comm import Collectives, Work
 
 
 class ChunkState(enum.Enum):
-    RELEASED = "released"    # only the local shard exists
+    RELEASED = "released"    # parameters are empty; ``full`` may still hold a (stale) block
     GATHERING = "gathering"  # an async all-gather into ``full`` is in flight
     GATHERED = "gathered"    # ``full`` holds every rank's shard; parameters view into it
 
@@ -54,7 +54,7 @@ class Slot:
 @dataclass
 class Chunk:
     index: int
-    size: int
+    size: int                      # elements: the contents rounded up to a multiple of W
     dtype: torch.dtype
     device: torch.device           # compute device (where ``full`` lives)
     param_device: torch.device     # where the compute-dtype shard lives
@@ -66,6 +66,7 @@ class Chunk:
     grad_shard: torch.Tensor = field(repr=False, default=None)   # fp32
     full: torch.Tensor = field(repr=False, default=None)         # compute dtype, storage resized
     state: ChunkState = ChunkState.RELEASED
+    has_block: bool = False        # ``full`` has its storage (an rCache block) allocated
     pins: int = 0
     work: Work = field(default_factory=Work, repr=False)
     # per-backward gradient collection
@@ -97,9 +98,18 @@ class Chunk:
                 yield slot, rng[0], rng[1], rng[2]
 
     # ------------------------------------------------------------------ gather / release
-    def start_gather(self, async_op: bool) -> None:
-        assert self.state is ChunkState.RELEASED
+    def take_block(self) -> None:
+        assert not self.has_block
         self.full.untyped_storage().resize_(self.full_bytes)
+        self.has_block = True
+
+    def free_block(self) -> None:
+        assert self.state is ChunkState.RELEASED and self.has_block
+        self.full.untyped_storage().resize_(0)
+        self.has_block = False
+
+    def start_gather(self, async_op: bool) -> None:
+        assert self.state is ChunkState.RELEASED and self.has_block
         shard = self.shard
         if shard.device != self.device:
             shard = shard.to(self.device, non_blocking=True)
@@ -114,24 +124,32 @@ class Chunk:
         self.state = ChunkState.GATHERED
 
     def release(self, placeholder: torch.Tensor) -> None:
-        """Free the gathered buffer; parameters become empty tensors until the next gather."""
+        """Parameters become empty tensors until the next gather. The block stays allocated
+        (re-gathering into it costs no allocation) until the rCache evicts it."""
         assert self.state is ChunkState.GATHERED and self.pins == 0
         for slot in self.slots:
             slot.param.data = placeholder
-        self.full.untyped_storage().resize_(0)
         self.state = ChunkState.RELEASED
 
     # ------------------------------------------------------------------ gradients
     def receive_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Copy one parameter's full gradient into the chunk's gradient buffer."""
-        if self.grad_buffer is None:
-            self.grad_buffer = torch.zeros(self.size, dtype=self.dtype, device=self.device)
         view = self.grad_buffer[slot.offset : slot.offset + slot.numel]
         if slot.index in self.grads_received:
             view.add_(grad.reshape(-1))
         else:
             view.copy_(grad.reshape(-1))
             self.grads_received.add(slot.index)
+
+    def zero_missing_grads(self) -> None:
+        """The buffer starts uninitialised (zeroing all of it would cost a full pass):
+        zero what no gradient was written to, the padding included."""
+        end = 0
+        for slot in self.slots:
+            if slot.index not in self.grads_received:
+                self.grad_buffer[slot.offset : slot.offset + slot.numel].zero_()
+            end = slot.offset + slot.numel
+        self.grad_buffer[end:].zero_()
 
     @property
     def grads_complete(self) -> bool:

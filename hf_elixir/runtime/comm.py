@@ -10,22 +10,35 @@ reaches a hook; separate groups make each sequence match on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
 
 class Work:
-    """A handle for a collective that may still be running (None: already done)."""
+    """A handle for a collective that may still be running, with an optional finishing
+    step to run once it is done (None: already done)."""
 
-    def __init__(self, handle: Optional[object] = None) -> None:
+    def __init__(self, handle: Optional[object] = None, then: Optional[Callable[[], object]] = None) -> None:
         self._handle = handle
+        self._then = then
+        if handle is None and then is not None:  # synchronous: finish now
+            self.wait()
 
     def wait(self) -> None:
         if self._handle is not None:
             self._handle.wait()
             self._handle = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+
+
+def _accumulate(target: torch.Tensor, source: torch.Tensor, scale: float) -> None:
+    if source.device != target.device:
+        source = source.to(target.device, non_blocking=True)
+    target.add_(source, alpha=scale)
 
 
 @dataclass
@@ -36,6 +49,10 @@ class Collectives:
     world_size: int
     gather_group: Optional[dist.ProcessGroup] = None
     reduce_group: Optional[dist.ProcessGroup] = None
+    # gloo's all-reduce is much faster than its all-gather and reduce-scatter (measured on
+    # 20M fp32 elements, 2 ranks: all-reduce 0.041 s, all-gather 0.059 s, reduce-scatter
+    # 0.088 s), so on gloo both are expressed as all-reduces; NCCL uses the native ones.
+    via_all_reduce: bool = False
 
     @classmethod
     def create(cls, process_group: Optional[dist.ProcessGroup] = None) -> "Collectives":
@@ -49,7 +66,9 @@ class Collectives:
             return cls(rank=rank, world_size=1, gather_group=process_group, reduce_group=process_group)
         ranks = dist.get_process_group_ranks(process_group)
         reduce_group = dist.new_group(ranks, use_local_synchronization=True)
-        return cls(rank=rank, world_size=world_size, gather_group=process_group, reduce_group=reduce_group)
+        gloo = dist.get_backend(process_group) == "gloo"
+        return cls(rank=rank, world_size=world_size, gather_group=process_group,
+                   reduce_group=reduce_group, via_all_reduce=gloo)
 
     @property
     def distributed(self) -> bool:
@@ -60,18 +79,37 @@ class Collectives:
         if not self.distributed:
             output.copy_(shard)
             return Work()
+        if self.via_all_reduce:  # every other slot is zero, so the sum is exactly the gather
+            n = shard.numel()
+            output.zero_()
+            output[self.rank * n : (self.rank + 1) * n].copy_(shard)
+            return Work(dist.all_reduce(output, group=self.gather_group, async_op=async_op))
         return Work(dist.all_gather_single(output, shard, group=self.gather_group, async_op=async_op))
 
-    def reduce_scatter_mean(self, output: torch.Tensor, full: torch.Tensor, async_op: bool = False) -> Work:
-        """``output`` receives this rank's slice of the mean of ``full`` over ranks."""
+    @property
+    def reduce_needs_scratch(self) -> bool:
+        """Whether reduce_scatter_accumulate needs a shard-sized scratch tensor."""
+        return self.distributed and not self.via_all_reduce
+
+    def reduce_scatter_accumulate(
+        self, target: torch.Tensor, full: torch.Tensor, scratch: Optional[torch.Tensor] = None,
+        async_op: bool = False,
+    ) -> Work:
+        """Add this rank's slice of the mean of ``full`` over ranks into ``target``.
+
+        ``full`` may be overwritten (the all-reduce path reduces it in place); ``scratch``
+        (shard-sized, ``full``'s dtype) is needed when reduce_needs_scratch."""
+        n = target.numel()
         if not self.distributed:
-            output.copy_(full)
-            return Work()
-        return Work(
-            dist.reduce_scatter_single(
-                output, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=async_op
-            )
+            return Work(None, then=lambda: _accumulate(target, full[:n], 1.0))
+        if self.via_all_reduce:
+            piece = full[self.rank * n : (self.rank + 1) * n]
+            handle = dist.all_reduce(full, group=self.reduce_group, async_op=async_op)
+            return Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size))
+        handle = dist.reduce_scatter_single(
+            scratch, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=async_op
         )
+        return Work(handle, then=lambda: _accumulate(target, scratch, 1.0))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         if self.distributed:

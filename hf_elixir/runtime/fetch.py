@@ -43,14 +43,16 @@ class Fetcher:
             self.cache.note_request(cid)
             chunk = self.chunks[cid]
             if chunk.state is ChunkState.RELEASED:
-                self._make_room(exclude=cids)
+                if not chunk.has_block:
+                    self._make_room(exclude=cids)
+                    self._take_block(chunk)
                 self._gather(chunk, async_op=False)
             else:
                 self.cache.stats.hits += 1
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
             chunk.pins += 1
-        self._prefetch()
+        self.prefetch()
 
     def unpin(self, cids: Sequence[int]) -> None:
         for cid in cids:
@@ -59,33 +61,51 @@ class Fetcher:
             chunk.pins -= 1
 
     def release_all(self) -> None:
-        """Drop every gathered chunk (their contents are stale after an optimizer step)."""
+        """Mark every gathered chunk stale (after an optimizer step changed the shards).
+        Their blocks stay allocated for the next gathers."""
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
             if chunk.state is ChunkState.GATHERED:
                 chunk.pins = 0
-                self._release(chunk)
-                self.cache.drop(chunk.index)
+                chunk.release(self.placeholder)
+
+    def free_all(self) -> None:
+        """Release every chunk and give every rCache block back."""
+        self.release_all()
+        for chunk in self.chunks:
+            if chunk.has_block:
+                self._evict(chunk.index)
 
     # ------------------------------------------------------------------ internals
-    def _gather(self, chunk: Chunk, async_op: bool) -> None:
+    def _take_block(self, chunk: Chunk) -> None:
+        chunk.take_block()
         self.cache.admit(chunk.index)
         self.ledger.add("rcache", chunk.full_bytes)
+
+    def _gather(self, chunk: Chunk, async_op: bool) -> None:
+        self.cache.stats.gathers += 1
         chunk.start_gather(async_op=async_op)
 
-    def _release(self, chunk: Chunk) -> None:
-        chunk.release(self.placeholder)
+    def _evict(self, cid: int) -> None:
+        chunk = self.chunks[cid]
+        if chunk.state is ChunkState.GATHERED:
+            chunk.release(self.placeholder)
+        chunk.free_block()
         self.ledger.sub("rcache", chunk.full_bytes)
+        self.cache.evict(cid)
 
     def _evictable(self, exclude: Sequence[int] = ()) -> list[int]:
-        return [
+        """Resident chunks not in use; stale blocks (nothing to lose) come first."""
+        ready = [
             cid
             for cid in self.cache.resident
             if self.chunks[cid].pins == 0
-            and self.chunks[cid].state is ChunkState.GATHERED
+            and self.chunks[cid].state is not ChunkState.GATHERING
             and cid not in exclude
         ]
+        stale = [cid for cid in ready if self.chunks[cid].state is ChunkState.RELEASED]
+        return stale or ready
 
     def _make_room(self, exclude: Sequence[int]) -> None:
         while self.cache.full:
@@ -102,19 +122,21 @@ class Fetcher:
                     f"({pinned}) while chunks {list(exclude)} are needed; make a plan with more "
                     "rcache_blocks (or a larger chunk_size, so one module spans fewer chunks)"
                 )
-            self._release(self.chunks[victim])
-            self.cache.evict(victim)
+            self._evict(victim)
 
-    def _prefetch(self) -> None:
+    def prefetch(self) -> None:
+        """Start async gathers for the next chunks of the trace, evicting only chunks whose
+        next use comes later than the prefetched one's."""
         for cid, pos in self.cache.upcoming(self.prefetch_depth):
             chunk = self.chunks[cid]
             if chunk.state is not ChunkState.RELEASED:
                 continue
-            if self.cache.full:
-                victim = self.cache.choose_victim(self._evictable(), needed_at=pos)
-                if victim is None:
-                    return
-                self._release(self.chunks[victim])
-                self.cache.evict(victim)
+            if not chunk.has_block:
+                if self.cache.full:
+                    victim = self.cache.choose_victim(self._evictable(), needed_at=pos)
+                    if victim is None:
+                        return
+                    self._evict(victim)
+                self._take_block(chunk)
             self.cache.stats.prefetches += 1
             self._gather(chunk, async_op=True)

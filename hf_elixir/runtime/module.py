@@ -138,12 +138,15 @@ class ElixirModule(nn.Module):
 
     def _build_chunks(self, sync: bool) -> tuple[list[Chunk], list[Slot]]:
         named = dict(self.module.named_parameters())
-        size, W, rank = self.plan.chunk_size, self.comm.world_size, self.comm.rank
-        shard_size = size // W
+        W, rank = self.comm.world_size, self.comm.rank
         chunks: list[Chunk] = []
         slots: list[Slot] = []
         self._slot_chunk: list[int] = []
         for cid, cplan in enumerate(self.plan.chunks):
+            # A chunk is as large as its contents (rounded up so every rank gets an equal
+            # shard), at most plan.chunk_size: partly filled chunks waste no memory.
+            size = -(-sum(named[n].numel() for n in cplan.params) // W) * W
+            shard_size = size // W
             flat = torch.zeros(size, dtype=torch.float32)
             chunk_slots: list[Slot] = []
             offset = 0
@@ -221,6 +224,15 @@ class ElixirModule(nn.Module):
     def release_all(self) -> None:
         """Drop every gathered chunk (called after an optimizer step changes the shards)."""
         self.fetcher.release_all()
+
+    def prefetch_next_pass(self) -> None:
+        """Start gathering the chunks the next forward needs first (after an optimizer step
+        they were all released), so the gathers overlap whatever runs before it."""
+        self.cache.finish_recording()
+        if self.cache.trace is None:
+            return
+        self.cache.cursor, self.cache.on_trace = -1, True
+        self.fetcher.prefetch()
 
     def memory_report(self) -> dict:
         """Bytes the runtime holds on the compute device, now and at peak, by category."""

@@ -146,9 +146,8 @@ class ElixirOptimizer(Optimizer):
                     local = torch.maximum(local, chunk.grad_shard.abs().max().cpu().reshape(1))
             total = self.module.comm.all_reduce(local, op="max")[0]
         else:
-            local = torch.zeros(1, dtype=torch.float64)
-            for chunk in self.module.chunks:
-                local += chunk.grad_shard.double().abs().pow(norm_type).sum().cpu()
+            norms = [torch.linalg.vector_norm(c.grad_shard, norm_type).cpu() for c in self.module.chunks]
+            local = torch.stack(norms).pow(norm_type).sum().reshape(1).double()
             total = self.module.comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for chunk in self.module.chunks:
@@ -293,6 +292,7 @@ class ElixirOptimizer(Optimizer):
             if not chunk.master_aliased:
                 chunk.shard.copy_(chunk.master, non_blocking=True)
         self.module.release_all()
+        self.module.prefetch_next_pass()
         self.module.reducer.clear_seen()
         self._grads_unscaled = False
         return loss

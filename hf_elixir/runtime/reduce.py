@@ -11,7 +11,7 @@ run different experts; only the timing differs.
 from __future__ import annotations
 
 from collections import deque
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -35,7 +35,7 @@ class GradReducer:
         self.max_in_flight = max_in_flight
         self.next = len(chunks) - 1          # the next chunk to reduce-scatter
         self.late: set[int] = set()          # chunks that received gradients after going
-        self.pending: deque[tuple[Chunk, torch.Tensor, Work]] = deque()
+        self.pending: deque[tuple[Chunk, Optional[torch.Tensor], Work]] = deque()
         # which parameters received a gradient since the last optimizer step, on this rank
         self.seen = torch.zeros(n_slots, dtype=torch.uint8)
         self.enabled = True
@@ -46,8 +46,10 @@ class GradReducer:
             self.late.add(chunk.index)
             while self.pending:  # its buffer may still be in flight: finish before reuse
                 self._complete(self.pending.popleft())
+            if chunk.grad_buffer is None:  # a fresh buffer holds only the late gradients
+                chunk.grads_received.clear()
         if chunk.grad_buffer is None:
-            chunk.grad_buffer = torch.zeros(chunk.size, dtype=chunk.dtype, device=chunk.device)
+            chunk.grad_buffer = torch.empty(chunk.size, dtype=chunk.dtype, device=chunk.device)
             self.ledger.add("grad_buffers", chunk.full_bytes)
         chunk.receive_grad(slot, grad)
         self.seen[slot.index] = 1
@@ -60,21 +62,24 @@ class GradReducer:
 
     def _reduce(self, chunk: Chunk) -> None:
         if chunk.grad_buffer is None:  # nothing arrived on this rank: contribute zeros
-            chunk.grad_buffer = torch.zeros(chunk.size, dtype=chunk.dtype, device=chunk.device)
+            chunk.grad_buffer = torch.empty(chunk.size, dtype=chunk.dtype, device=chunk.device)
             self.ledger.add("grad_buffers", chunk.full_bytes)
-        out = torch.empty(chunk.shard_size, dtype=chunk.dtype, device=chunk.device)
-        self.ledger.add("grad_buffers", out.numel() * out.element_size())
-        work = self.comm.reduce_scatter_mean(out, chunk.grad_buffer, async_op=True)
-        self.pending.append((chunk, out, work))
+        chunk.zero_missing_grads()
+        scratch = None
+        if self.comm.reduce_needs_scratch:
+            scratch = torch.empty(chunk.shard_size, dtype=chunk.dtype, device=chunk.device)
+            self.ledger.add("grad_buffers", scratch.numel() * scratch.element_size())
+        work = self.comm.reduce_scatter_accumulate(chunk.grad_shard, chunk.grad_buffer, scratch, async_op=True)
+        self.pending.append((chunk, scratch, work))
         chunk.reduced = True
         while len(self.pending) > self.max_in_flight:
             self._complete(self.pending.popleft())
 
-    def _complete(self, entry: tuple[Chunk, torch.Tensor, Work]) -> None:
-        chunk, out, work = entry
-        work.wait()
-        chunk.grad_shard.add_(out.to(device=chunk.grad_shard.device, dtype=torch.float32))
-        self.ledger.sub("grad_buffers", out.numel() * out.element_size())
+    def _complete(self, entry: tuple[Chunk, Optional[torch.Tensor], Work]) -> None:
+        chunk, scratch, work = entry
+        work.wait()  # also adds the reduced slice into chunk.grad_shard
+        if scratch is not None:
+            self.ledger.sub("grad_buffers", scratch.numel() * scratch.element_size())
         if chunk.grad_buffer is not None:
             chunk.grad_buffer = None
             self.ledger.sub("grad_buffers", chunk.full_bytes)

@@ -1,0 +1,252 @@
+"""Training-step time of hf_elixir against plain DDP and FSDP2, in one run.
+
+    python benchmarks/bench_step.py                       # both GPT-2 sizes, world size 2
+    python benchmarks/bench_step.py --models gpt2-30m --steps 3
+
+Every system trains the same GPT-2 (same seed, same data) on CPU over gloo: global batch 4,
+sequence 128, fp32, AdamW (the fused kernel for all three, so the optimizer
+implementation is not what is compared), clipping at 1.0. After the warm-up steps the
+median of the timed steps is reported with each system's ratio to DDP, and the losses of
+the first steps are checked equal across systems. Results go to
+benchmarks/results/bench_step.json and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS = Path(__file__).resolve().parent / "results"
+MODELS = {
+    "gpt2-30m": dict(n_layer=6, n_embd=384, n_head=6),
+    "gpt2-124m": dict(n_layer=12, n_embd=768, n_head=12),
+}
+
+
+def build(name: str):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    cfg = GPT2Config(**MODELS[name], n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(cfg)
+    model.config.use_cache = False
+    return model
+
+
+def batch_for(rank: int, world: int, step: int, global_batch: int, seq: int, vocab: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 + step)
+    ids = torch.randint(0, vocab, (global_batch, seq), generator=g)
+    per = global_batch // world
+    return ids[rank * per : (rank + 1) * per]
+
+
+# ---------------------------------------------------------------------- systems
+def setup_ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
+
+    def step(ids):
+        loss = ddp(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {}
+
+
+def setup_fsdp2(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step(ids):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    return step, {}
+
+
+def setup_elixir(model):
+    import hf_elixir as hfe
+
+    world = dist.get_world_size()
+    largest = max(p.numel() for p in model.parameters())
+    plan = hfe.ElixirPlan.simple(model, world, chunk_size=largest, rcache_blocks=None)
+    em = hfe.ElixirModule(model, plan)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(ids):
+        loss = em(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    def info():
+        rep = em.memory_report()
+        return {"n_chunks": plan.n_chunks, "chunk_size": plan.chunk_size,
+                "peak_device_bytes": rep["peak_total"], "cache_stats": rep["cache_stats"]}
+
+    return step, info
+
+
+SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "hf_elixir": setup_elixir}
+
+
+def run_system(name: str, model_name: str, args) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(model_name)
+    vocab = model.config.vocab_size
+    step, info = SYSTEMS[name](model)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        ids = batch_for(rank, world, i, args.global_batch, args.seq_len, vocab)
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step(ids)
+        dist.barrier()
+        elapsed = time.perf_counter() - t0
+        total = loss.detach().reshape(1).clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+        if i >= args.warmup:
+            times.append(elapsed)
+    out = {"median_step_s": statistics.median(times), "step_times_s": times, "losses": losses}
+    if callable(info):
+        out.update(info())
+    del model, step
+    return out
+
+
+def worker(rank: int, world: int, port: int, args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    results: dict = {}
+    for model_name in args.models:
+        for system in args.systems:
+            res = run_system(system, model_name, args)
+            if rank == 0:
+                print(f"{model_name:10s} {system:10s} median step {res['median_step_s']:.3f} s", flush=True)
+            results.setdefault(model_name, {})[system] = res
+    if rank == 0:
+        queue.put(results)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def summarise(results: dict, args) -> dict:
+    tokens = args.global_batch * args.seq_len
+    summary = {}
+    for model_name, by_system in results.items():
+        base = by_system["ddp"]["median_step_s"] if "ddp" in by_system else None
+        ref_losses = by_system[args.systems[0]]["losses"][:2]
+        rows = {}
+        for system, res in by_system.items():
+            rows[system] = {
+                "median_step_s": res["median_step_s"],
+                "tokens_per_s": tokens / res["median_step_s"],
+                "ratio_to_ddp": res["median_step_s"] / base if base else None,
+                "first_losses": res["losses"][:2],
+                "losses_match": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref_losses, res["losses"][:2])),
+            }
+            for key in ("n_chunks", "chunk_size", "peak_device_bytes", "cache_stats"):
+                if key in res:
+                    rows[system][key] = res[key]
+        if "hf_elixir" in rows and "fsdp2" in rows:
+            rows["hf_elixir"]["ratio_to_fsdp2"] = rows["hf_elixir"]["median_step_s"] / rows["fsdp2"]["median_step_s"]
+        summary[model_name] = rows
+    return summary
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
+    for ax, (model_name, rows) in zip(axes[0], summary.items()):
+        names = list(rows)
+        ax.bar(names, [rows[n]["median_step_s"] for n in names], color=["#888", "#c66", "#4a7"][: len(names)])
+        ax.set_title(f"{model_name}: median step (s)")
+        for i, n in enumerate(names):
+            r = rows[n]["ratio_to_ddp"]
+            ax.text(i, rows[n]["median_step_s"], f"{r:.2f}x DDP" if r else "", ha="center", va="bottom")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--world-size", type=int, default=2)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--output", type=Path, default=RESULTS / "bench_step.json")
+    args = p.parse_args()
+    if args.global_batch % args.world_size:
+        sys.exit("--global-batch must be divisible by --world-size")
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
+    for proc in procs:
+        proc.start()
+    results = queue.get()
+    for proc in procs:
+        proc.join()
+    summary = summarise(results, args)
+    record = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "torch": torch.__version__,
+        "summary": summary,
+        "raw": results,
+    }
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps(record, indent=1))
+    plot(summary, args.output.with_suffix(".png"))
+    print(f"\n{'model':10s} {'system':10s} {'step s':>8s} {'tok/s':>8s} {'xDDP':>6s} {'xFSDP2':>7s} losses")
+    for model_name, rows in summary.items():
+        for system, row in rows.items():
+            xf = row.get("ratio_to_fsdp2")
+            print(f"{model_name:10s} {system:10s} {row['median_step_s']:8.3f} {row['tokens_per_s']:8.0f} "
+                  f"{row['ratio_to_ddp'] or 0:6.2f} {'' if xf is None else f'{xf:7.2f}'} "
+                  f"{'equal' if row['losses_match'] else 'DIFFER'}")
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()
