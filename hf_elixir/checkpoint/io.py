@@ -36,7 +36,7 @@ if hasattr(torch, "float8_e4m3fn"):
 ST_TO_DTYPE = {v: k for k, v in DTYPE_TO_ST.items()}
 
 _MAX_HEADER = 100 * 2**20     # safetensors' own limit
-_WRITE_PIECE = 16 * 2**20      # bytes per write() call for large tensors
+_WRITE_PIECE = 4 * 2**20      # bytes per write() call for large tensors
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -262,14 +262,17 @@ class SafetensorsReader:
         self.close()
 
 
-def file_sha256(path: Path, piece: int = 8 * 2**20) -> str:
+def file_sha256(path: Path, piece: int = 2**20) -> str:
+    """sha256 of a file, read through one reused 1 MiB buffer."""
     h = hashlib.sha256()
-    with open(path, "rb") as f:
+    buf = bytearray(piece)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
         while True:
-            data = f.read(piece)
-            if not data:
+            n = f.readinto(buf)
+            if not n:
                 break
-            h.update(data)
+            h.update(view[:n])
     return h.hexdigest()
 
 
