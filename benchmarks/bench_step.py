@@ -91,7 +91,9 @@ def setup_elixir(model):
 
     world = dist.get_world_size()
     largest = max(p.numel() for p in model.parameters())
-    plan = hfe.ElixirPlan.simple(model, world, chunk_size=largest, rcache_blocks=None)
+    # every chunk holds at most PACK_SIZE elements (the embedding gets one of its own): small
+    # chunks let gathers and reduce-scatters overlap the layers' compute
+    plan = hfe.ElixirPlan.simple(model, world, chunk_size=largest, rcache_blocks=None, pack_size=PACK_SIZE)
     em = hfe.ElixirModule(model, plan)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -110,6 +112,8 @@ def setup_elixir(model):
 
     return step, info
 
+
+PACK_SIZE = 2_000_000
 
 SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "hf_elixir": setup_elixir}
 
