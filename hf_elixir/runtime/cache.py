@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 
 @dataclass
@@ -111,19 +111,22 @@ class RCache:
             return None
         return victim
 
-    def upcoming(self, depth: int) -> list[tuple[int, int]]:
-        """The next ``depth`` distinct chunks the trace will request, with their positions."""
+    def upcoming(self, depth: int, ready: Callable[[int], bool], window: int = 64) -> list[tuple[int, int]]:
+        """The next ``depth`` distinct chunks the trace will request that are not ``ready``
+        (already gathered or in flight), with their positions; looks ``window`` requests ahead."""
         if not self.on_trace or depth <= 0:
             return []
         out: list[tuple[int, int]] = []
         seen: set[int] = set()
-        pos = self.cursor + 1
         order = self.trace.order
-        while pos < len(order) and len(out) < depth:
+        pos = self.cursor + 1
+        stop = min(len(order), pos + window)
+        while pos < stop and len(out) < depth:
             cid = order[pos]
             if cid not in seen:
                 seen.add(cid)
-                out.append((cid, pos))
+                if not ready(cid):
+                    out.append((cid, pos))
             pos += 1
         return out
 

@@ -127,10 +127,9 @@ class Fetcher:
     def prefetch(self) -> None:
         """Start async gathers for the next chunks of the trace, evicting only chunks whose
         next use comes later than the prefetched one's."""
-        for cid, pos in self.cache.upcoming(self.prefetch_depth):
+        ready = lambda cid: self.chunks[cid].state is not ChunkState.RELEASED  # noqa: E731
+        for cid, pos in self.cache.upcoming(self.prefetch_depth, ready):
             chunk = self.chunks[cid]
-            if chunk.state is not ChunkState.RELEASED:
-                continue
             if not chunk.has_block:
                 if self.cache.full:
                     victim = self.cache.choose_victim(self._evictable(), needed_at=pos)

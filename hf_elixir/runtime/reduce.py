@@ -48,12 +48,29 @@ class GradReducer:
                 self._complete(self.pending.popleft())
             if chunk.grad_buffer is None:  # a fresh buffer holds only the late gradients
                 chunk.grads_received.clear()
-        if chunk.grad_buffer is None:
-            chunk.grad_buffer = torch.empty(chunk.size, dtype=chunk.dtype, device=chunk.device)
+        if chunk.grad_buffer is None and self._can_adopt(chunk, grad):
+            # a chunk that is exactly one parameter (a large embedding) adopts autograd's
+            # gradient tensor as its buffer instead of copying it
+            chunk.grad_buffer = grad.view(-1)
+            chunk.grads_received.add(slot.index)
             self.ledger.add("grad_buffers", chunk.full_bytes)
-        chunk.receive_grad(slot, grad)
+        else:
+            if chunk.grad_buffer is None:
+                chunk.grad_buffer = torch.empty(chunk.size, dtype=chunk.dtype, device=chunk.device)
+                self.ledger.add("grad_buffers", chunk.full_bytes)
+            chunk.receive_grad(slot, grad)
         self.seen[slot.index] = 1
         self._flush_ready()
+
+    @staticmethod
+    def _can_adopt(chunk: Chunk, grad: torch.Tensor) -> bool:
+        return (
+            len(chunk.slots) == 1
+            and chunk.slots[0].numel == chunk.size
+            and grad.is_contiguous()
+            and grad.dtype == chunk.dtype
+            and grad.device == chunk.device
+        )
 
     def _flush_ready(self) -> None:
         while self.next >= 0 and self.chunks[self.next].grads_complete:
