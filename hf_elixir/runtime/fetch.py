@@ -38,7 +38,17 @@ class Fetcher:
 
     # ------------------------------------------------------------------ public
     def fetch(self, cids: Sequence[int]) -> None:
-        """Make the chunks gathered and pin them (the caller unpins after use)."""
+        """Make the chunks gathered and pin them (the caller unpins after use). On error
+        nothing stays pinned."""
+        pinned: list[int] = []
+        try:
+            self._fetch(cids, pinned)
+        except BaseException:
+            self.unpin(pinned)
+            raise
+        self.prefetch()
+
+    def _fetch(self, cids: Sequence[int], pinned: list[int]) -> None:
         for cid in cids:
             self.cache.note_request(cid)
             chunk = self.chunks[cid]
@@ -52,7 +62,7 @@ class Fetcher:
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
             chunk.pins += 1
-        self.prefetch()
+            pinned.append(cid)
 
     def unpin(self, cids: Sequence[int]) -> None:
         for cid in cids:

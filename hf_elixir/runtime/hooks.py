@@ -101,6 +101,7 @@ class _Call:
     """One forward call of one fetch unit, followed through its backward."""
 
     cids: list[int]
+    fetched: bool = False   # forward fetch succeeded (its pins are held until post-forward)
     pinned: bool = False
     done: bool = False
 
@@ -142,15 +143,18 @@ class HookManager:
         stack: list[_Call] = []  # calls of this module still inside their forward
 
         def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
-            self.fetcher.fetch(cids)
             call = _Call(cids)
-            stack.append(call)
+            stack.append(call)  # before fetching: post_forward runs (always_call) even if it fails
+            self.fetcher.fetch(cids)
+            call.fetched = True
             if torch.is_grad_enabled():
                 args, kwargs = _wrap(_PostBackward, lambda: self._post_backward(call), (args, kwargs))
             return args, kwargs
 
         def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
             call = stack.pop()
+            if not call.fetched:  # the fetch failed and unpinned what it had pinned
+                return output
             self.fetcher.unpin(call.cids)
             if torch.is_grad_enabled():
                 output = _wrap(_PreBackward, lambda: self._pre_backward(call), output)
