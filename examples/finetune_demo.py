@@ -5,7 +5,8 @@
 Builds a small GPT-2 from a config (no download), tokenizes the bundled corpus with a
 character-level vocabulary, shards the model over the ranks with hf_elixir, trains with
 AdamW, warm-up, clipping and gradient accumulation, and prints the loss, the throughput,
-the runtime's device memory by category, and a greedy sample at the end.
+the runtime's device memory by category and a greedy sample, then saves a sharded
+checkpoint and exports it to a folder that ``from_pretrained`` loads.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, get_linear_schedule_with_warmup
 
 import hf_elixir as hfe
+from hf_elixir import checkpoint
 
 CORPUS = Path(__file__).parent / "data" / "tiny_corpus.txt"
 
@@ -46,8 +48,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seq-len", type=int, default=64)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
-    p.add_argument("--offload-fraction", type=float, default=0.5,
-                   help="share of chunks whose optimizer state lives in CPU memory")
+    p.add_argument("--memory-budget", default="24MiB",
+                   help="device memory per rank the planner may use (small, to make it offload)")
+    p.add_argument("--output", type=Path, default=Path("out/demo"),
+                   help="where the sharded checkpoint (ckpt/) and the exported model (model/) go")
     return p.parse_args()
 
 
@@ -66,19 +70,19 @@ def main() -> None:
                         n_head=4, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     model = GPT2LMHeadModel(config)
     n_params = sum(p.numel() for p in model.parameters())  # before wrapping releases them
-    plan = hfe.ElixirPlan.simple(model, world, chunk_size=1 << 16, offload_fraction=args.offload_fraction,
-                                 compute_dtype=args.dtype)
+    micro = args.batch_size // args.accumulation // world
+    if micro < 1:
+        raise SystemExit("--batch-size must be at least accumulation x world size")
+    # the planner profiles the model on the meta device and picks the fastest plan that fits
+    plan = hfe.plan(model, (micro, args.seq_len), hardware="cpu", world_size=world, dtype=args.dtype,
+                    memory_budget=args.memory_budget)
     emodel = hfe.ElixirModule(model, plan)
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01))
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=args.steps // 10, num_training_steps=args.steps)
     if rank == 0:
-        print(f"GPT-2 with {n_params / 1e6:.2f}M parameters on {world} rank(s): {plan.n_chunks} chunks of "
-              f"{plan.chunk_size} elements, rCache {plan.rcache_blocks} blocks, "
-              f"{plan.offload_fraction():.0%} of optimizer state in CPU memory, {plan.compute_dtype}")
+        print(f"GPT-2 with {n_params / 1e6:.2f}M parameters on {world} rank(s)")
+        print(plan.summary())
 
-    micro = args.batch_size // args.accumulation // world
-    if micro < 1:
-        raise SystemExit("--batch-size must be at least accumulation x world size")
     gen = torch.Generator().manual_seed(1234)
     emodel.train()
     start = time.perf_counter()
@@ -112,6 +116,16 @@ def main() -> None:
         peak = {k: f"{v / 2**20:.2f} MiB" for k, v in report["peak"].items() if v}
         print("runtime device memory at peak:", peak)
         print("sample:", repr(tok.decode(sample[0].tolist())))
+
+    # a sharded checkpoint (every rank writes its own shards), then one from_pretrained folder
+    ckpt = checkpoint.save(emodel, opt, args.output / "ckpt", scheduler=sched)
+    if rank == 0:
+        checkpoint.export(ckpt, args.output / "model")
+        again = GPT2LMHeadModel.from_pretrained(args.output / "model").eval()
+        with torch.no_grad():
+            same = again.generate(prompt, max_new_tokens=60, do_sample=False, pad_token_id=0)
+        print(f"checkpoint: {ckpt}; exported model: {args.output / 'model'} "
+              f"(from_pretrained gives the same sample: {torch.equal(same, sample)})")
     if dist.is_initialized():
         dist.destroy_process_group()
 
