@@ -50,30 +50,8 @@ def batch_for(rank: int, world: int, step: int, global_batch: int, seq: int, voc
 
 
 # ---------------------------------------------------------------------- systems
-def setup_ddp(model):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    ddp = DDP(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)
-
-    def step(ids):
-        loss = ddp(input_ids=ids, labels=ids).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step, {}
-
-
-def setup_fsdp2(model):
-    from torch.distributed.fsdp import fully_shard
-
-    for block in model.transformer.h:
-        fully_shard(block)
-    fully_shard(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+def plain_step(model, opt):
+    """One step of plain PyTorch training (the DDP and FSDP2 baselines)."""
 
     def step(ids):
         loss = model(input_ids=ids, labels=ids).loss
@@ -83,7 +61,23 @@ def setup_fsdp2(model):
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step, {}
+    return step
+
+
+def setup_ddp(model):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(model)
+    return plain_step(ddp, torch.optim.AdamW(ddp.parameters(), lr=1e-4, fused=True)), {}
+
+
+def setup_fsdp2(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), {}
 
 
 def setup_elixir(model):

@@ -81,9 +81,11 @@ def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
-def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict, steps: int = STEPS,
-               prepare: str | None = None, opt_kind: str = "adamw", on_step: str | None = None) -> dict:
-    """One rank of the hf_elixir side. Returns losses, final full state and memory report."""
+def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None = None, steps: int = STEPS,
+               prepare: str | None = None, opt_kind: str = "adamw", on_step: str | None = None,
+               plan_json: str | None = None) -> dict:
+    """One rank of the hf_elixir side, with ``ElixirPlan.simple(**plan_kwargs)`` or the plan
+    in ``plan_json``. Returns losses, final full state and memory report."""
     import torch.distributed as dist
 
     import hf_elixir as hfe
@@ -93,7 +95,10 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict, steps: 
     if prepare:
         PREPARE[prepare](model)
     opt, sched = make_optimizer(model, opt_kind)
-    plan = hfe.ElixirPlan.simple(model, world_size, **plan_kwargs)
+    if plan_json is not None:
+        plan = hfe.ElixirPlan.from_json(plan_json)
+    else:
+        plan = hfe.ElixirPlan.simple(model, world_size, **(plan_kwargs or {}))
     emodel = hfe.ElixirModule(model, plan)
     eopt = hfe.ElixirOptimizer(emodel, opt)
     ids = make_batch(GLOBAL_BATCH, SEQ)

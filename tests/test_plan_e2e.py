@@ -14,10 +14,9 @@ import functools
 import pytest
 import torch
 
-from equivalence import (ACCUM, GLOBAL_BATCH, SEQ, STEPS, assert_matches, build, loss_of,
-                         make_optimizer, reference_run)
+from equivalence import ACCUM, GLOBAL_BATCH, SEQ, assert_matches, build, elixir_run, reference_run
 from harness import run_distributed
-from tiny_models import ARCHS, make_batch
+from tiny_models import ARCHS
 
 WORLD = 2
 PER_RANK = GLOBAL_BATCH // ACCUM // WORLD
@@ -43,35 +42,7 @@ def make_plans(arch: str) -> dict[str, str]:
 
 
 def _run_plan(rank: int, world_size: int, arch: str, plan_json: str) -> dict:
-    import torch.distributed as dist
-
-    import hf_elixir as hfe
-    from hf_elixir.plan.plan import ElixirPlan
-
-    torch.manual_seed(0)
-    model = build(arch)
-    opt, sched = make_optimizer(model)
-    plan = ElixirPlan.from_json(plan_json)
-    emodel = hfe.ElixirModule(model, plan)
-    eopt = hfe.ElixirOptimizer(emodel, opt)
-    ids = make_batch(GLOBAL_BATCH, SEQ)
-    micro = GLOBAL_BATCH // ACCUM
-    losses = []
-    for _ in range(STEPS):
-        total = torch.zeros(1)
-        for m in range(ACCUM):
-            rows = ids[m * micro + rank * PER_RANK: m * micro + (rank + 1) * PER_RANK]
-            loss = loss_of(emodel, rows) / ACCUM
-            eopt.backward(loss)
-            total += loss.detach()
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        sched.step()
-        eopt.zero_grad()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    state = emodel.state_dict()
-    return {"losses": losses, "state": state if rank == 0 else None, "memory": emodel.memory_report()}
+    return elixir_run(rank, world_size, arch, plan_json=plan_json)
 
 
 def _all(rank: int, world_size: int, plans: dict) -> dict:

@@ -2,8 +2,8 @@
 
 For a module that owns chunked parameters:
 - pre-forward: fetch (gather and pin) its chunks; wrap its grad-requiring inputs in
-  ``_PostBackward`` so we learn when its backward is done;
-- post-forward: unpin; wrap its grad-requiring outputs in ``_PreBackward`` so its chunks are
+  ``_OnBackward`` so we learn when its backward is done;
+- post-forward: unpin; wrap its grad-requiring outputs in ``_OnBackward`` so its chunks are
   fetched again before autograd runs its backward;
 - each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
 At the end of every backward (an autograd engine callback) leftover pins are dropped and
@@ -58,32 +58,22 @@ def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
-def _wrap(fn: type[torch.autograd.Function], callback: Callable[[], None], obj: Any) -> Any:
+def _wrap(callback: Callable[[], None], obj: Any) -> Any:
+    """``obj`` with its grad-requiring tensors passed through one _OnBackward."""
     tensors: list[torch.Tensor] = []
     _collect(obj, tensors)
     if not tensors:
         return obj
     unique = list({id(t): t for t in tensors}.values())
-    wrapped = fn.apply(callback, *unique)
+    wrapped = _OnBackward.apply(callback, *unique)
     return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
 
 
-class _PreBackward(torch.autograd.Function):
-    """Identity on a module's outputs; its backward runs before the module's backward."""
+class _OnBackward(torch.autograd.Function):
+    """Identity that calls ``callback`` when the gradient passes through it in backward.
 
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on a module's inputs; its backward runs after the module's backward."""
+    On a module's outputs it fires before the module's backward (time to fetch its chunks);
+    on its inputs, after (time to unpin them)."""
 
     @staticmethod
     def forward(ctx, callback, *tensors):
@@ -148,7 +138,7 @@ class HookManager:
             self.fetcher.fetch(cids)
             call.fetched = True
             if torch.is_grad_enabled():
-                args, kwargs = _wrap(_PostBackward, lambda: self._post_backward(call), (args, kwargs))
+                args, kwargs = _wrap(lambda: self._post_backward(call), (args, kwargs))
             return args, kwargs
 
         def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -157,7 +147,7 @@ class HookManager:
                 return output
             self.fetcher.unpin(call.cids)
             if torch.is_grad_enabled():
-                output = _wrap(_PreBackward, lambda: self._pre_backward(call), output)
+                output = _wrap(lambda: self._pre_backward(call), output)
             return output
 
         return pre_forward, post_forward
