@@ -46,7 +46,9 @@ class Work:
 
 def _accumulate(target: torch.Tensor, source: torch.Tensor, scale: float) -> None:
     if source.device != target.device:
-        source = source.to(target.device, non_blocking=True)
+        # host-to-device may run async on the stream; device-to-host must be complete
+        # before the CPU reads it
+        source = source.to(target.device, non_blocking=target.device.type != "cpu")
     target.add_(source, alpha=scale)
 
 
@@ -62,7 +64,7 @@ class Collectives:
     # all-gather 0.062 s, reduce-scatter 0.083 s, all-reduce 0.044 s, one broadcast per
     # rank 0.020 s), so on gloo a gather is W broadcasts and a reduce-scatter an
     # all-reduce; NCCL uses the native collectives.
-    via_all_reduce: bool = False
+    gloo: bool = False  # the groups run gloo (host tensors; see above)
     global_ranks: tuple[int, ...] = ()
 
     @classmethod
@@ -79,7 +81,7 @@ class Collectives:
         reduce_group = dist.new_group(ranks, use_local_synchronization=True)
         gloo = dist.get_backend(process_group) == "gloo"
         return cls(rank=rank, world_size=world_size, gather_group=process_group,
-                   reduce_group=reduce_group, via_all_reduce=gloo, global_ranks=tuple(ranks))
+                   reduce_group=reduce_group, gloo=gloo, global_ranks=tuple(ranks))
 
     @property
     def distributed(self) -> bool:
@@ -90,7 +92,7 @@ class Collectives:
         if not self.distributed:
             output.copy_(shard)
             return Work()
-        if self.via_all_reduce:  # gloo: one broadcast from each rank of its own shard
+        if self.gloo:  # gloo: one broadcast from each rank of its own shard
             n = shard.numel()
             output[self.rank * n : (self.rank + 1) * n].copy_(shard)
             handles = [  # every rank joins every broadcast, in the same order
@@ -107,7 +109,7 @@ class Collectives:
     @property
     def reduce_needs_scratch(self) -> bool:
         """Whether reduce_scatter_accumulate needs a shard-sized scratch tensor."""
-        return self.distributed and not self.via_all_reduce
+        return self.distributed and not self.gloo
 
     def reduce_scatter_accumulate(
         self, target: torch.Tensor, full: torch.Tensor, scratch: Optional[torch.Tensor] = None,
@@ -120,7 +122,7 @@ class Collectives:
         n = target.numel()
         if not self.distributed:
             return Work(None, then=lambda: _accumulate(target, full[:n], 1.0))
-        if self.via_all_reduce:
+        if self.gloo:
             piece = full[self.rank * n : (self.rank + 1) * n]
             handle = dist.all_reduce(full, group=self.reduce_group, async_op=async_op)
             return Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size))
@@ -130,9 +132,16 @@ class Collectives:
         return Work(handle, then=lambda: _accumulate(target, scratch, 1.0))
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """In-place all-reduce of a small tensor (flags, norms), wherever it lives: NCCL
+        reduces only device tensors, so host tensors make a round trip."""
         if self.distributed:
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            dist.all_reduce(tensor, op=red, group=self.reduce_group)
+            if self.gloo or tensor.device.type != "cpu":
+                dist.all_reduce(tensor, op=red, group=self.reduce_group)
+            else:
+                on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+                dist.all_reduce(on_device, op=red, group=self.reduce_group)
+                tensor.copy_(on_device)
         return tensor
 
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -290,7 +290,8 @@ class ElixirOptimizer(Optimizer):
             self._update(self.param_groups[gi], device, b)
         for chunk in self.module.chunks:
             if not chunk.master_aliased:
-                chunk.shard.copy_(chunk.master, non_blocking=True)
+                # async only host-to-device; a host shard must be final when this returns
+                chunk.shard.copy_(chunk.master, non_blocking=chunk.shard.device.type != "cpu")
         self.module.release_all()
         self.module.prefetch_next_pass()
         self.module.reducer.clear_seen()
