@@ -358,3 +358,30 @@ def test_plan_json_round_trip() -> None:
     data["version"] = 99
     with pytest.raises(hfe.PlanError, match="upgrade hf_elixir"):
         hfe.ElixirPlan.from_dict(data)
+
+
+def test_a_backward_that_raises_leaves_the_runtime_usable() -> None:
+    model = make_model("llama")
+    ref = copy.deepcopy(model)
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096, rcache_blocks=3))
+    eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3, eps=1e-6))
+    ids = make_batch(4, 16)
+
+    def boom(grad):
+        raise RuntimeError("injected failure in backward")
+
+    handle = model.model.layers[0].mlp.up_proj.weight.register_hook(boom)
+    with pytest.raises(RuntimeError, match="injected failure"):
+        em(input_ids=ids, labels=ids).loss.backward()
+    handle.remove()
+    eopt.zero_grad()
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
+    for _ in range(2):
+        eopt.backward(em(input_ids=ids, labels=ids).loss)
+        eopt.step()
+        eopt.zero_grad()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ropt.step()
+        ropt.zero_grad()
+    assert em.memory_report()["current"]["grad_buffers"] == 0
+    assert_state_close(ref.state_dict(), em.state_dict(), label="after a failed backward")

@@ -127,6 +127,8 @@ class HookManager:
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
         if not in_backward():
+            if self._callback_queued:  # the last backward raised before it finished
+                self._abandon_backward()
             self.cache.begin_pass(record=torch.is_grad_enabled() and module.training)
 
     def _make_pre_forward(self, cids: list[int]):
@@ -182,6 +184,15 @@ class HookManager:
                 reducer.on_grad(chunk, slot, grad)
 
         return hook
+
+    def _abandon_backward(self) -> None:
+        """Forget a backward that raised: drop its pins and gradient buffers (no collectives,
+        since other ranks may not have failed) so the next step starts clean."""
+        self._callback_queued = False
+        for call in self._open_calls:
+            self._post_backward(call)
+        self._open_calls.clear()
+        self.reducer.abandon()
 
     def _end_backward(self) -> None:
         self._callback_queued = False

@@ -117,6 +117,19 @@ class GradReducer:
         self.late.clear()
         self.next = len(self.chunks) - 1
 
+    def abandon(self) -> None:
+        """After a failed backward: finish what is in flight, drop buffers, reset."""
+        while self.pending:
+            self._complete(self.pending.popleft())
+        for chunk in self.chunks:
+            if chunk.grad_buffer is not None:
+                chunk.grad_buffer = None
+                self.ledger.sub("grad_buffers", chunk.full_bytes)
+            chunk.grads_received.clear()
+            chunk.reduced = False
+        self.late.clear()
+        self.next = len(self.chunks) - 1
+
     def global_seen(self) -> torch.Tensor:
         """Per parameter: did any rank receive a gradient since the last step? (one all-reduce)"""
         return self.comm.all_reduce(self.seen.clone(), op="max").bool()
