@@ -7,7 +7,6 @@ state that can be offloaded, 2 B that normally stays.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
@@ -160,13 +159,28 @@ def test_llama2_7b_on_one_24gb_gpu_only_with_offload():
     assert p.predictions["peak_bytes"] <= 24 * GiB
 
 
-def test_llama2_7b_on_8x80gb_needs_no_offload_and_plans_fast():
-    """Sharded over 8 ranks, the 16+2 B/param state is ~15 GB per GPU: fits 80 GiB outright."""
-    t = time.perf_counter()
+def test_llama2_7b_on_8x80gb_needs_no_offload():
+    """Sharded over 8 ranks, the 16+2 B/param state is ~15 GB per GPU: fits 80 GiB outright.
+    (How long planning takes is measured by benchmarks/bench_plan.py, not here.)"""
     p = plan(known_config("llama-2-7b"), (1, 1024), hardware="a100-80g", world_size=8, dtype="bf16")
-    elapsed = time.perf_counter() - t
-    print(f"planning llama-2-7b: {elapsed:.2f} s")
-    assert elapsed < 20  # acceptance 5
     assert p.offload_fraction() == 0
     assert p.world_size == 8 and p.chunk_size % 8 == 0
     assert p.predictions["peak_bytes"] <= 80 * GiB
+
+
+def test_llama2_13b_config_plans_from_its_config_alone():
+    """13.0B params from a config on the meta device: 26 GB of bf16 weights never exist here.
+    On 8 x 80 GB the ~29 GB per GPU of sharded state fits without offload."""
+    p = plan(known_config("llama-2-13b"), (1, 1024), hardware="a100-80g", world_size=8, dtype="bf16")
+    n = sum(len(c.params) for c in p.chunks)
+    assert n == 2 + 40 * 9 + 1  # embed, lm_head, norm + 9 tensors per decoder layer
+    assert p.offload_fraction() == 0
+    assert p.predictions["peak_bytes"] <= 80 * GiB
+
+
+def test_host_memory_too_small_for_the_offload_says_so():
+    """Llama-2-13B on one 24 GiB card needs nearly all of its ~16 B/param optimizer-side
+    state (~210 GiB) in CPU memory; the rtx4090 preset's node has 128 GiB. The error must
+    blame CPU memory, not claim the card needs 100+ GiB."""
+    with pytest.raises(PlanError, match=r"CPU memory per node, more than the 115\.20 GiB usable of 128\.00 GiB"):
+        plan(known_config("llama-2-13b"), (1, 1024), hardware="rtx4090", world_size=1, dtype="bf16")

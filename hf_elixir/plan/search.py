@@ -235,9 +235,22 @@ def plan(
     t_prof = time.perf_counter() - t0
 
     cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer)
+    all_cands = cands
     if hw.device_type == "cuda":  # offloaded state must fit in the node's host memory
-        cands = [c for c in cands if _host_bytes(c, W, compute_dtype, optimizer) * min(W, hw.gpus_per_node)
-                 <= 0.9 * hw.cpu_memory] or cands
+        host = lambda c: _host_bytes(c, W, compute_dtype, optimizer) * min(W, hw.gpus_per_node)  # noqa: E731
+        cands = [c for c in cands if host(c) <= HOST_USABLE * hw.cpu_memory]
+        if not any(c.peak <= budget for c in cands):
+            blocked = [c for c in all_cands if c.peak <= budget]
+            if blocked:  # device memory would do; the host cannot hold what must be offloaded
+                need = min(host(c) for c in blocked)
+                raise PlanError(
+                    f"no plan fits: plans that fit {format_bytes(budget)} per device exist, but they "
+                    f"offload state needing at least {format_bytes(need)} of CPU memory per node, more "
+                    f"than the {format_bytes(HOST_USABLE * hw.cpu_memory)} usable of "
+                    f"{format_bytes(hw.cpu_memory)} on {hw.name}. Use a machine with more CPU memory, "
+                    "more GPUs (each holds a smaller shard) or GPUs with more memory."
+                )
+            cands = cands or all_cands  # nothing fits either way: explain by device memory
     path = chain(cands)
     fitting = [c for c in path if c.peak <= budget]
     if not fitting:
@@ -309,6 +322,9 @@ def _resolve_hardware(hardware, world_size) -> HardwareProfile:
         else:
             hw = hw.with_cluster(gpus_per_node=world_size, nodes=1)
     return hw
+
+
+HOST_USABLE = 0.9  # share of the node's CPU memory offloaded state may take (the rest: OS, data)
 
 
 def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
