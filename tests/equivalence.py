@@ -12,7 +12,6 @@ comparison would measure that noise; with 1e-6 it measures the runtime.
 
 from __future__ import annotations
 
-import copy
 import torch
 
 from tiny_models import make_batch, make_dynamic_moe, make_model

@@ -44,10 +44,19 @@ def test_plan_reads_a_model_folder(config_json, tmp_path, capsys):
 
 
 def test_infeasible_plan_exits_nonzero_with_explanation(capsys):
+    rc = main(["plan", "llama-2-7b", "--hardware", "a100-80g", "--gpu-memory", "512MiB", "--seq-len", "512"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "no plan fits" in err and "needs at least" in err and "GiB per device" in err
+
+
+def test_plan_blocked_by_cpu_memory_exits_nonzero_and_says_so(capsys):
+    """On a T4 node (64 GB of host memory) a 7B model fits 4 GiB of device memory only by
+    offloading ~120 GiB of state to the host, which does not hold it."""
     rc = main(["plan", "llama-2-7b", "--hardware", "t4", "--gpu-memory", "4GiB", "--seq-len", "512"])
     err = capsys.readouterr().err
     assert rc == 1
-    assert "no plan fits" in err and "needs at least" in err and "GiB" in err
+    assert "no plan fits" in err and "of CPU memory per node" in err and "more CPU memory" in err
 
 
 @pytest.mark.parametrize("args,needle", [

@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from equivalence import ACCUM, GLOBAL_BATCH, SEQ, assert_matches, build, elixir_run, reference_run
 from harness import run_distributed

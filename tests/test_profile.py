@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import time
 
 import pytest
 import torch
@@ -160,14 +159,12 @@ def test_meta_copy_of_real_model_shares_no_memory():
     assert [n for n, _ in meta.named_parameters()] == [n for n, _ in model.named_parameters()]
 
 
-def test_profile_7b_config_on_meta_in_seconds():
+def test_profile_7b_config_on_meta():
+    """From the config alone, without allocating the 13.5 GB of weights (how long it takes
+    is measured by benchmarks/bench_plan.py)."""
     cfg = known_config("llama-2-7b")
-    t = time.perf_counter()
     prof = profile_model(cfg, (1, 1024), dtype="bf16")
-    elapsed = time.perf_counter() - t
-    print(f"llama-2-7b meta profile: {elapsed:.2f} s")
     assert 6.5e9 < prof.n_params < 7e9
-    assert elapsed < 20
     # sanity: activations of a 7B step at 1x1024 are GBs without checkpointing, far less with
     assert prof.activation_peak(False) > 3 * prof.activation_peak(True) > 0
     assert prof.plain.memory.flops > 6 * prof.n_params * 1024 * 0.9

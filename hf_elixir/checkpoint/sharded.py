@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import uuid
-from collections import defaultdict
 from pathlib import Path
 from typing import Any, Optional
 
@@ -43,7 +42,7 @@ from hf_elixir.checkpoint.index import (
     UNTRACKED_NAME, model_file, optimizer_file, read_index, resolve, verify_hashes,
 )
 from hf_elixir.checkpoint.io import (
-    SafetensorsReader, SafetensorsWriter, TensorSpec, dtype_name, write_json, write_safetensors,
+    SafetensorsReader, dtype_name, write_json, write_safetensors,
 )
 
 
@@ -144,7 +143,7 @@ def save(emodel, eoptimizer, directory: str | os.PathLike, extra: Optional[dict]
     paths to copy in; every other key must be JSON and comes back from ``load()``.
     """
     comm = emodel.comm
-    rank, world = comm.rank, comm.world_size
+    rank = comm.rank
     final = Path(directory).absolute()
     fault = atomic.FaultInjector.from_env(rank)
     extra = dict(extra or {})
@@ -503,7 +502,6 @@ def load(emodel, eoptimizer=None, directory: str | os.PathLike = None, *, schedu
     if directory is None:
         raise TypeError("load() needs the checkpoint directory")
     comm = emodel.comm
-    rank = comm.rank
     prepared, error = None, None
     try:
         prepared = _prepare_load(emodel, eoptimizer, scheduler, Path(directory).absolute(), verify)

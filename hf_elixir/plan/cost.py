@@ -33,7 +33,7 @@ the device optimizer and the CPU pipeline are done.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 from hf_elixir.hardware import HardwareProfile

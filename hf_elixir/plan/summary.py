@@ -11,7 +11,6 @@ _MEM_ORDER = ("parameters", "master_weights", "optimizer_state", "gradients", "r
 
 
 def _row(label: str, d: dict[str, Any]) -> list[str]:
-    mem = d.get("memory", {})
     t = d.get("time", {})
     n = d.get("n_chunks") or 1
     return [

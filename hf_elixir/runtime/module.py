@@ -17,7 +17,7 @@ from torch import nn
 
 from hf_elixir.plan.plan import ElixirPlan, PlanError
 from hf_elixir.runtime.cache import RCache
-from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
+from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager
@@ -312,7 +312,7 @@ class ElixirModule(nn.Module):
                         f"expects {tuple(want)}"
                     )
         self.release_all()
-        W, rank = self.comm.world_size, self.comm.rank
+        rank = self.comm.rank
         for chunk in self.chunks:
             flat = torch.zeros(chunk.size, dtype=torch.float32)
             for slot in chunk.slots:
