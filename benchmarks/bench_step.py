@@ -20,6 +20,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from queue import Empty
 
 import torch
 import torch.distributed as dist
@@ -80,14 +81,16 @@ def setup_fsdp2(model):
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), {}
 
 
-def setup_elixir(model):
+def setup_elixir(model, **plan_kwargs):
+    """hf_elixir with ElixirPlan.simple; plan_kwargs (e.g. offload_fraction) go to the plan."""
     import hf_elixir as hfe
 
     world = dist.get_world_size()
     largest = max(p.numel() for p in model.parameters())
     # every chunk holds at most PACK_SIZE elements (the embedding gets one of its own): small
     # chunks let gathers and reduce-scatters overlap the layers' compute
-    plan = hfe.ElixirPlan.simple(model, world, chunk_size=largest, rcache_blocks=None, pack_size=PACK_SIZE)
+    plan = hfe.ElixirPlan.simple(model, world, chunk_size=largest, rcache_blocks=None, pack_size=PACK_SIZE,
+                                 **plan_kwargs)
     em = hfe.ElixirModule(model, plan)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
@@ -112,11 +115,12 @@ PACK_SIZE = 2_000_000
 SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "hf_elixir": setup_elixir}
 
 
-def run_system(name: str, model_name: str, args) -> dict:
+def run_system(name: str, model_name: str, args, systems: dict | None = None) -> dict:
+    """Train one system (looked up in systems, default SYSTEMS) and time its steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build(model_name)
     vocab = model.config.vocab_size
-    step, info = SYSTEMS[name](model)
+    step, info = (SYSTEMS if systems is None else systems)[name](model)
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         ids = batch_for(rank, world, i, args.global_batch, args.seq_len, vocab)
@@ -137,14 +141,14 @@ def run_system(name: str, model_name: str, args) -> dict:
     return out
 
 
-def worker(rank: int, world: int, port: int, args, queue) -> None:
+def worker(rank: int, world: int, port: int, args, queue, systems: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, args.threads))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for model_name in args.models:
         for system in args.systems:
-            res = run_system(system, model_name, args)
+            res = run_system(system, model_name, args, systems)
             if rank == 0:
                 print(f"{model_name:10s} {system:10s} median step {res['median_step_s']:.3f} s", flush=True)
             results.setdefault(model_name, {})[system] = res
@@ -199,6 +203,38 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def launch(args, systems: dict | None = None) -> dict:
+    """Spawn args.world_size ranks over gloo; each runs args.systems on args.models.
+
+    Returns rank 0's results: {model: {system: {...}}}. systems (default SYSTEMS) maps a
+    system's name to its setup function (picklable: spawned ranks receive it).
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue, systems))
+             for r in range(args.world_size)]
+    for proc in procs:
+        proc.start()
+    while True:  # a rank that dies would otherwise leave this waiting forever
+        try:
+            results = queue.get(timeout=5)
+            break
+        except Empty:
+            failed = [proc.exitcode for proc in procs if proc.exitcode not in (None, 0)]
+            if failed:
+                for proc in procs:
+                    proc.kill()
+                sys.exit(f"a rank failed (exit codes {failed}); see its traceback above")
+    for proc in procs:
+        proc.join()
+    return results
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -213,19 +249,7 @@ def main() -> None:
     args = p.parse_args()
     if args.global_batch % args.world_size:
         sys.exit("--global-batch must be divisible by --world-size")
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    from socket import socket
-
-    with socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue)) for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
-    results = queue.get()
-    for proc in procs:
-        proc.join()
+    results = launch(args)
     summary = summarise(results, args)
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
