@@ -385,3 +385,23 @@ def test_a_backward_that_raises_leaves_the_runtime_usable() -> None:
         ropt.zero_grad()
     assert em.memory_report()["current"]["grad_buffers"] == 0
     assert_state_close(ref.state_dict(), em.state_dict(), label="after a failed backward")
+
+
+def test_a_dropped_model_is_freed() -> None:
+    """Gradient hooks live on the parameters, where the garbage collector cannot see
+    through them; they must not keep the runtime, and with it the model, alive."""
+    import gc
+    import weakref
+
+    def train_once():
+        model = make_model("gpt2")
+        em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096))
+        eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        ids = make_batch(2, 8)
+        eopt.backward(em(input_ids=ids, labels=ids).loss)
+        eopt.step()
+        return weakref.ref(model), weakref.ref(em)
+
+    model_ref, em_ref = train_once()
+    gc.collect()
+    assert em_ref() is None and model_ref() is None

@@ -12,6 +12,7 @@ the remaining chunks are reduce-scattered.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -174,16 +175,25 @@ class HookManager:
             self.fetcher.unpin(call.cids)
 
     def _make_grad_hook(self, slot: Slot, chunk: Chunk):
-        reducer = self.reducer
+        # The hook is stored on the parameter, and the garbage collector does not look
+        # through a tensor's hooks: a strong reference back to this manager (which holds the
+        # model, which holds the parameter) would keep the model alive for ever.
+        manager = weakref.ref(self)
+        index = slot.index
 
         def hook(param: torch.Tensor) -> None:
-            self._ensure_end_callback()
-            grad = param.grad
-            param.grad = None
-            if grad is not None:
-                reducer.on_grad(chunk, slot, grad)
+            live = manager()
+            if live is not None:
+                live._on_grad(index, param)
 
         return hook
+
+    def _on_grad(self, index: int, param: torch.Tensor) -> None:
+        self._ensure_end_callback()
+        grad = param.grad
+        param.grad = None
+        if grad is not None:
+            self.reducer.on_grad(self.slot_chunk[index], self.slots[index], grad)
 
     def _abandon_backward(self) -> None:
         """Forget a backward that raised: drop its pins and gradient buffers (no collectives,
