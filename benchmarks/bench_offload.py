@@ -24,9 +24,10 @@ Systems (the AdamW implementation each uses is recorded in the results):
 - deepspeed               DeepSpeed ZeRO-3 without offload; torch AdamW(fused=True) as
                           DeepSpeed's client optimizer
 
-Each system runs in ranks of its own (systems run one after another in the same ranks
-leak: hf_elixir's and DeepSpeed's models stay alive after gc.collect(), about 1 GB a run at
-124M, 15 GB in all). Offloaded systems are given as ratios to fsdp2_offload, the others to
+Each system runs in ranks of its own: DeepSpeed's engine keeps its model alive after
+gc.collect() (about 1 GB a run at 124M), so systems run one after another in the same
+ranks would add up. (hf_elixir had the same problem, through gradient hooks on the
+parameters; it is fixed and tested in tests/test_runtime_features.py.) Offloaded systems are given as ratios to fsdp2_offload, the others to
 fsdp2. DeepSpeed ZeRO-3 takes the bucket sizes Hugging Face's integration picks for "auto"
 (DeepSpeed's own 5e8-element reduce bucket is a 2 GB buffer per rank). DeepSpeed is
 driven directly (deepspeed.initialize with a config dict on the gloo process group this
