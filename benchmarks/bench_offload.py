@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from bench_step import MODELS, RESULTS, launch, plain_step, setup_elixir
+from bench_step import MODELS, RESULTS, launch, plain_step, pyplot, setup_elixir
 
 OFFLOADED = ["hf_elixir_offload", "hf_elixir_offload_half", "fsdp2_offload", "deepspeed_offload"]
 ORDER = ["fsdp2_offload", "hf_elixir_offload", "hf_elixir_offload_half", "deepspeed_offload",
@@ -181,13 +181,8 @@ def summarise(results: dict, args) -> dict:
 
 
 def plot(summary: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot (pip install matplotlib)")
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 4.5), squeeze=False)
     for ax, (model_name, rows) in zip(axes[0], summary.items()):

@@ -182,7 +182,8 @@ def summarise(results: dict, args) -> dict:
     return summary
 
 
-def plot(summary: dict, path: Path) -> None:
+def pyplot():
+    """matplotlib's pyplot on a file-only backend, or None (with a note) if not installed."""
     try:
         import matplotlib
 
@@ -190,6 +191,13 @@ def plot(summary: dict, path: Path) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         print("matplotlib not installed: no plot (pip install matplotlib)")
+        return None
+    return plt
+
+
+def plot(summary: dict, path: Path) -> None:
+    plt = pyplot()
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
     for ax, (model_name, rows) in zip(axes[0], summary.items()):
