@@ -146,8 +146,11 @@ class ElixirOptimizer(Optimizer):
                     local = torch.maximum(local, chunk.grad_shard.abs().max().cpu().reshape(1))
             total = self.module.comm.all_reduce(local, op="max")[0]
         else:
-            norms = [torch.linalg.vector_norm(c.grad_shard, norm_type).cpu() for c in self.module.chunks]
-            local = torch.stack(norms).pow(norm_type).sum().reshape(1).double()
+            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+            for c in self.module.chunks:  # one host sync per device, not one per chunk
+                by_device[c.grad_shard.device].append(torch.linalg.vector_norm(c.grad_shard, norm_type))
+            local = sum(torch.stack(n).double().pow(norm_type).sum().cpu() for n in by_device.values())
+            local = torch.as_tensor(local, dtype=torch.float64).reshape(1)
             total = self.module.comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for chunk in self.module.chunks:
