@@ -256,49 +256,41 @@ def _assert_untouched(model, snap) -> None:
     assert not getattr(model, "_hf_elixir_wrapped", False)
 
 
-def test_plan_naming_a_missing_parameter() -> None:
-    model = make_model("llama")
-    plan = hfe.ElixirPlan.simple(model, 1, chunk_size=4096)
+def _add_missing(plan) -> None:
     plan.chunks[0].params.append("model.layers.9.mlp.up_proj.weight")
-    snap = _snapshot(model)
-    with pytest.raises(hfe.PlanError, match="does not have.*make a new plan"):
-        hfe.ElixirModule(model, plan)
-    _assert_untouched(model, snap)
 
 
-def test_plan_with_a_duplicated_parameter() -> None:
-    model = make_model("llama")
-    plan = hfe.ElixirPlan.simple(model, 1, chunk_size=4096)
+def _duplicate(plan) -> None:
     plan.chunks[1].params.append(plan.chunks[0].params[0])
-    snap = _snapshot(model)
-    with pytest.raises(hfe.PlanError, match="appears twice"):
-        hfe.ElixirModule(model, plan)
-    _assert_untouched(model, snap)
 
 
-def test_plan_leaving_out_a_parameter() -> None:
+def _leave_out(plan) -> None:
+    plan.chunks[0].params.pop()
+
+
+def _indivisible(plan) -> None:
+    plan.world_size, plan.chunk_size = 3, 4097
+
+
+def _other_world_size(plan) -> None:
+    plan.world_size = 2
+
+
+@pytest.mark.parametrize("spoil,message", [
+    (_add_missing, "does not have.*make a new plan"),
+    (_duplicate, "appears twice"),
+    (_leave_out, "leaves out"),
+    (_indivisible, "not a positive multiple of the world size 3; round it up to 4098"),
+    (_other_world_size, "world size 2 but the process group has 1"),
+], ids=["missing", "duplicated", "left-out", "indivisible-chunk", "other-world-size"])
+def test_a_bad_plan_is_refused_before_the_model_changes(spoil, message) -> None:
     model = make_model("llama")
     plan = hfe.ElixirPlan.simple(model, 1, chunk_size=4096)
-    plan.chunks[0].params.pop()
-    with pytest.raises(hfe.PlanError, match="leaves out"):
-        hfe.ElixirModule(model, plan)
-
-
-def test_chunk_size_the_world_size_does_not_divide() -> None:
-    model = make_model("llama")
-    plan = hfe.ElixirPlan.simple(model, 3, chunk_size=4096)
-    plan.chunk_size = 4097
+    spoil(plan)
     snap = _snapshot(model)
-    with pytest.raises(hfe.PlanError, match="not a positive multiple of the world size 3; round it up to 4098"):
+    with pytest.raises(hfe.PlanError, match=message):
         hfe.ElixirModule(model, plan)
     _assert_untouched(model, snap)
-
-
-def test_plan_for_another_world_size() -> None:
-    model = make_model("llama")
-    plan = hfe.ElixirPlan.simple(model, 2, chunk_size=4096)
-    with pytest.raises(hfe.PlanError, match="world size 2 but the process group has 1"):
-        hfe.ElixirModule(model, plan)
 
 
 def test_unsupported_optimizer() -> None:
