@@ -221,6 +221,14 @@ class ElixirModule(nn.Module):
         gradients in memory, instead of all of them until the last micro-batch."""
         yield
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradient shards too: training loops that only call ``model.zero_grad()``
+        (the Transformers Trainer does) must not carry gradients into the next step."""
+        super().zero_grad(set_to_none=set_to_none)
+        for chunk in self.chunks:
+            chunk.grad_shard.zero_()
+        self.reducer.clear_seen()
+
     def release_all(self) -> None:
         """Drop every gathered chunk (called after an optimizer step changes the shards)."""
         self.fetcher.release_all()

@@ -257,9 +257,7 @@ class ElixirOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ step
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for chunk in self.module.chunks:
-            chunk.grad_shard.zero_()
-        self.module.reducer.clear_seen()
+        self.module.zero_grad(set_to_none=set_to_none)
         self._grads_unscaled = False
 
     @torch.no_grad()

@@ -1,0 +1,44 @@
+"""Worker entry point of ``hf-elixir launch``: install the elixir classes, then run the script.
+
+    python -m hf_elixir.integrations.bootstrap script.py [args...]
+
+Scripts find ``Accelerator``, ``Trainer`` and ``TrainingArguments`` by name in the
+``accelerate`` and ``transformers`` packages; replacing those names with the elixir
+subclasses before the script runs gives an unmodified script the hf_elixir runtime. The
+subclasses stay plain Accelerate/Trainer classes unless ``ACCELERATE_USE_ELIXIR`` is true.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+
+def install() -> None:
+    """Point ``accelerate.Accelerator``, ``transformers.Trainer`` and
+    ``transformers.TrainingArguments`` at the elixir subclasses."""
+    import accelerate
+    import transformers
+
+    from hf_elixir.integrations.accelerate import ElixirAccelerator
+    from hf_elixir.integrations.trainer import ElixirTrainer, ElixirTrainingArguments
+
+    accelerate.Accelerator = ElixirAccelerator
+    transformers.Trainer = ElixirTrainer
+    transformers.TrainingArguments = ElixirTrainingArguments
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: python -m hf_elixir.integrations.bootstrap script.py [args...]")
+    script, *rest = argv
+    install()
+    sys.argv = [script, *rest]
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+"""Turn an ElixirPlugin and a model into an ElixirPlan, before anything is sharded.
+
+Shared by the Accelerate and Trainer integrations: a plan comes from a JSON file, from the
+user's pinned decisions (``ElixirPlan.simple``), or from the planner's search over the shape
+of the first training batch. Everything here only reads the model.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
+from hf_elixir.plan.plan import ElixirPlan, PlanError
+
+# accelerate's mixed_precision names -> hf_elixir compute dtypes
+MIXED_PRECISION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
+
+
+def optimizer_kind(optimizer: Optional[torch.optim.Optimizer]) -> str:
+    """The planner's optimizer name; AdamW (the largest state) when it is not known yet."""
+    if optimizer is None or isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+        return "adamw"
+    if isinstance(optimizer, torch.optim.SGD):
+        return "sgd"
+    raise ElixirConfigError(unsupported_optimizer_message(type(optimizer).__name__))
+
+
+def unsupported_optimizer_message(name: str) -> str:
+    return (
+        f"hf_elixir shards optimizer state for torch.optim.AdamW, Adam and SGD; got {name}. "
+        "Use one of those (with the Trainer: --optim adamw_torch, adamw_torch_fused or sgd)"
+    )
+
+
+def compute_dtype(mixed_precision: str) -> str:
+    try:
+        return MIXED_PRECISION_DTYPES[str(mixed_precision)]
+    except KeyError:
+        raise ElixirConfigError(
+            f"hf_elixir runs in fp32, bf16 or fp16; mixed_precision={mixed_precision!r} is not supported"
+        ) from None
+
+
+def make_plan(
+    model: nn.Module,
+    plugin: ElixirPlugin,
+    world_size: int,
+    dtype: str,
+    optimizer: str,
+    batch_shape: Optional[tuple[int, int]],
+) -> ElixirPlan:
+    """The plan to run ``model`` with, checked against the model and the world size.
+
+    Raises ElixirConfigError (or PlanError) saying what to change; the model is untouched.
+    """
+    if plugin.plan != "auto":
+        try:
+            plan = ElixirPlan.from_json(plugin.plan)
+        except (OSError, ValueError) as e:
+            raise ElixirConfigError(f"cannot read the plan {plugin.plan}: {e}") from None
+        try:
+            plan.validate(model, world_size=world_size)
+        except PlanError as e:
+            raise PlanError(
+                f"the plan {plugin.plan} does not fit this run: {e}. Make a new one with "
+                "`hf-elixir plan MODEL --gpus N --json plan.json`, or set plan: auto"
+            ) from None
+        return plan
+    if plugin.pinned:
+        itemsize = torch.empty((), dtype=_torch_dtype(dtype)).element_size()
+        chunk = None if plugin.chunk_size_mb is None else max(1, int(plugin.chunk_size_mb * 2**20 / itemsize))
+        plan = ElixirPlan.simple(
+            model,
+            world_size=world_size,
+            chunk_size=chunk,
+            rcache_blocks=plugin.rcache_blocks,
+            offload_fraction=plugin.offload_fraction(),
+            compute_dtype=dtype,
+            activation_checkpointing=plugin.activation_checkpointing == "on",
+        )
+        plan.validate(model, world_size=world_size)
+        return plan
+    if batch_shape is None:
+        raise ElixirConfigError(
+            "hf_elixir plans from the first batch of the training data loader, and none was "
+            "prepared before the model: pass the DataLoader to accelerator.prepare() together with "
+            "(or before) the model, or set the batch_size and seq_len elixir options"
+        )
+    from hf_elixir.plan.search import plan as search
+
+    return search(
+        model,
+        batch_shape,
+        hardware=plugin.hardware,
+        world_size=world_size,
+        dtype=dtype,
+        optimizer=optimizer,
+        memory_budget=plugin.gpu_memory,
+    )
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
+
+
+def batch_shape_from_loader(loader) -> Optional[tuple[int, int]]:
+    """(per-device batch size, sequence length) of a DataLoader's first batch.
+
+    The batch is collated from the first dataset items, not drawn from the loader, so the
+    sampler's random state (and so the data order of the run) is untouched.
+    """
+    dataset = getattr(loader, "dataset", None)
+    batch_size = getattr(loader, "batch_size", None)
+    if batch_size is None and getattr(loader, "batch_sampler", None) is not None:
+        batch_size = getattr(loader.batch_sampler, "batch_size", None)
+    if dataset is None or not batch_size or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        n = min(int(batch_size), len(dataset))
+        items = [dataset[i] for i in range(n)]
+        batch = loader.collate_fn(items) if loader.collate_fn is not None else items
+    except Exception:  # an iterable or unusual dataset: the plugin's shape must say
+        return None
+    ids = batch.get("input_ids") if isinstance(batch, dict) else None
+    if ids is None and isinstance(batch, (list, tuple)) and batch and torch.is_tensor(batch[0]):
+        ids = batch[0]
+    if not torch.is_tensor(ids) or ids.dim() != 2:
+        return None
+    return int(batch_size), int(ids.shape[1])

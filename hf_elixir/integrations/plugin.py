@@ -1,0 +1,237 @@
+"""ElixirPlugin: the options a user sets for hf_elixir under Accelerate or the Trainer.
+
+One dataclass serves every way in: keyword arguments, a dict (the ``elixir:`` section of an
+accelerate config YAML, or ``--elixir_config '{...}'``), and ``ELIXIR_*`` environment
+variables, which is how ``hf-elixir launch`` hands the YAML section to each worker. Every
+value is checked in ``__post_init__`` so a bad option fails before any worker shards a model.
+
+This module imports neither accelerate nor transformers: the launcher validates a config
+with it before it starts anything.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
+
+USE_ENV = "ACCELERATE_USE_ELIXIR"
+ENV_PREFIX = "ELIXIR_"
+TRUE = ("1", "true", "yes", "on")
+FALSE = ("0", "false", "no", "off", "")
+OFFLOAD_WORDS = ("auto", "none", "all")
+CHECKPOINTING_WORDS = ("auto", "on", "off")
+
+
+class ElixirConfigError(ValueError):
+    """An hf_elixir option with an unknown name or a value it cannot take."""
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    """A boolean environment variable; anything but a clear yes/no is an error."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in TRUE:
+        return True
+    if value in FALSE:
+        return False
+    raise ElixirConfigError(f"{name}={raw!r} is not a boolean; use true or false")
+
+
+def elixir_requested() -> bool:
+    """Whether the environment (``ACCELERATE_USE_ELIXIR``) switches hf_elixir on."""
+    return env_flag(USE_ENV)
+
+
+@dataclass
+class ElixirPlugin:
+    """How hf_elixir plans and runs; every field left unset reads ``ELIXIR_<FIELD>``.
+
+    Attributes:
+        plan: "auto" (profile the model and search for the fastest plan that fits) or the
+            path of a plan JSON written by ``hf-elixir plan --json``.
+        gpu_memory: memory per device the plan may use ("24GiB", "80GB"); default: the
+            device's own memory.
+        hardware: a hardware preset for the cost model (``hf-elixir plan --help`` lists them);
+            default: this machine (``HardwareProfile.detect()``).
+        chunk_size_mb, rcache_blocks, offload, activation_checkpointing: pin one decision
+            instead of letting the search make it. ``offload`` is "auto", "none", "all" or the
+            fraction of optimizer state kept in CPU memory (0.0 to 1.0); checkpointing is
+            "auto", "on" or "off". Pinning any of them replaces the search by a fixed plan
+            (``ElixirPlan.simple``) built from the pinned values, because the search has no
+            notion of a partly fixed plan.
+        batch_size, seq_len: the per-device micro-batch to plan for; default: the shape of the
+            training data loader's first batch.
+    """
+
+    plan: Optional[str] = None
+    gpu_memory: Optional[str] = None
+    hardware: Optional[str] = None
+    chunk_size_mb: Optional[float] = None
+    rcache_blocks: Optional[int] = None
+    offload: Optional[Union[str, float]] = None
+    activation_checkpointing: Optional[str] = None
+    batch_size: Optional[int] = None
+    seq_len: Optional[int] = None
+    _from_env: list[str] = field(default_factory=list, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for f in option_fields():
+            if getattr(self, f.name) is None:
+                raw = os.environ.get(env_name(f.name))
+                if raw is not None and raw != "":
+                    setattr(self, f.name, raw)
+                    self._from_env.append(f.name)
+        self.plan = self.plan or "auto"
+        self.offload = _offload(self.offload if self.offload is not None else "auto")
+        self.activation_checkpointing = _checkpointing(
+            self.activation_checkpointing if self.activation_checkpointing is not None else "auto"
+        )
+        self.chunk_size_mb = _number("chunk_size_mb", self.chunk_size_mb, float, minimum=1e-6)
+        self.rcache_blocks = _number("rcache_blocks", self.rcache_blocks, int, minimum=1)
+        self.batch_size = _number("batch_size", self.batch_size, int, minimum=1)
+        self.seq_len = _number("seq_len", self.seq_len, int, minimum=1)
+        if self.gpu_memory is not None:
+            try:
+                parse_memory(self.gpu_memory)
+            except HardwareError as e:
+                raise ElixirConfigError(f"elixir option gpu_memory: {e}") from None
+            self.gpu_memory = str(self.gpu_memory)
+        if self.hardware is not None:
+            try:
+                HardwareProfile.preset(str(self.hardware))
+            except HardwareError as e:
+                raise ElixirConfigError(f"elixir option hardware: {e}") from None
+        if self.plan != "auto":
+            path = Path(self.plan).expanduser()
+            if not path.is_file():
+                raise ElixirConfigError(
+                    f"elixir option plan: {self.plan!r} is neither 'auto' nor a plan JSON file; "
+                    "write one with `hf-elixir plan MODEL --json plan.json`"
+                )
+            self.plan = str(path)
+
+    # ------------------------------------------------------------------ constructors
+    @classmethod
+    def from_dict(cls, options: Optional[dict[str, Any]]) -> "ElixirPlugin":
+        """From a dict such as the YAML ``elixir:`` section; unknown keys are an error."""
+        options = dict(options or {})
+        known = {f.name for f in option_fields()}
+        unknown = sorted(set(options) - known)
+        if unknown:
+            raise ElixirConfigError(
+                f"unknown elixir option(s) {', '.join(map(repr, unknown))}; "
+                f"the options are: {', '.join(sorted(known))}"
+            )
+        return cls(**options)
+
+    @classmethod
+    def from_json(cls, text: Union[str, dict, None]) -> "ElixirPlugin":
+        """From ``--elixir_config``: a JSON object, a path to a JSON file, or a dict."""
+        if text is None or isinstance(text, dict):
+            return cls.from_dict(text)
+        stripped = text.strip()
+        if not stripped.startswith("{"):
+            path = Path(stripped).expanduser()
+            if not path.is_file():
+                raise ElixirConfigError(
+                    f"elixir_config {text!r} is neither a JSON object nor a JSON file"
+                )
+            stripped = path.read_text()
+        try:
+            data = json.loads(stripped)
+        except json.JSONDecodeError as e:
+            raise ElixirConfigError(f"elixir_config is not valid JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ElixirConfigError("elixir_config must be a JSON object, e.g. '{\"offload\": \"auto\"}'")
+        return cls.from_dict(data)
+
+    # ------------------------------------------------------------------ views
+    def options(self) -> dict[str, Any]:
+        """The options as plain values (what a YAML section or JSON would hold)."""
+        return {f.name: getattr(self, f.name) for f in option_fields()}
+
+    def to_env(self) -> dict[str, str]:
+        """Environment variables that rebuild this plugin in a worker, plus the switch."""
+        env = {USE_ENV: "true"}
+        for name, value in self.options().items():
+            if value is not None:
+                env[env_name(name)] = str(value)
+        return env
+
+    @property
+    def pinned(self) -> dict[str, Any]:
+        """The decisions the user fixed instead of leaving them to the search."""
+        out: dict[str, Any] = {}
+        if self.chunk_size_mb is not None:
+            out["chunk_size_mb"] = self.chunk_size_mb
+        if self.rcache_blocks is not None:
+            out["rcache_blocks"] = self.rcache_blocks
+        if self.offload != "auto":
+            out["offload"] = self.offload
+        if self.activation_checkpointing != "auto":
+            out["activation_checkpointing"] = self.activation_checkpointing
+        return out
+
+    def offload_fraction(self) -> float:
+        """The pinned share of optimizer state in CPU memory (0 for "none" and "auto")."""
+        if self.offload == "all":
+            return 1.0
+        if self.offload in ("none", "auto"):
+            return 0.0
+        return float(self.offload)
+
+
+def option_fields():
+    return [f for f in fields(ElixirPlugin) if not f.name.startswith("_")]
+
+
+def env_name(option: str) -> str:
+    return ENV_PREFIX + option.upper()
+
+
+def _offload(value: Union[str, float]) -> Union[str, float]:
+    if isinstance(value, str) and value.strip().lower() in OFFLOAD_WORDS:
+        return value.strip().lower()
+    try:
+        fraction = float(value)
+    except (TypeError, ValueError):
+        fraction = None
+    if fraction is None or not 0.0 <= fraction <= 1.0:
+        raise ElixirConfigError(
+            f"elixir option offload: {value!r} is not one of {', '.join(OFFLOAD_WORDS)} "
+            "or a fraction between 0 and 1"
+        )
+    return fraction
+
+
+def _checkpointing(value: Union[str, bool]) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    word = str(value).strip().lower()
+    word = {"true": "on", "false": "off"}.get(word, word)
+    if word not in CHECKPOINTING_WORDS:
+        raise ElixirConfigError(
+            f"elixir option activation_checkpointing: {value!r} is not one of {', '.join(CHECKPOINTING_WORDS)}"
+        )
+    return word
+
+
+def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
+    if value is None:
+        return None
+    try:
+        number = kind(value)
+        if kind is int and float(value) != number:
+            raise ValueError
+    except (TypeError, ValueError):
+        raise ElixirConfigError(f"elixir option {name}: {value!r} is not a {kind.__name__}") from None
+    if number < minimum:
+        raise ElixirConfigError(f"elixir option {name}: {value!r} must be at least {minimum:g}")
+    return number

@@ -1,0 +1,168 @@
+"""ElixirTrainingArguments and ElixirTrainer: the Transformers Trainer on the hf_elixir runtime.
+
+A Trainer user adds ``--elixir`` (and optionally ``--elixir_config '{...}'``); under
+``hf-elixir launch`` (``ACCELERATE_USE_ELIXIR=true``) nothing at all. The Trainer then builds
+an ElixirAccelerator, so the model is sharded by ``accelerator.prepare``; checkpoints hold
+the sharded state (``elixir_state/``: fp32 master weights, optimizer state, param_groups and
+loss scaler) next to the Trainer's own files (scheduler, RNG states, trainer state, and a
+``from_pretrained`` copy of the weights), and resuming works at any world size.
+
+The private Trainer methods overridden here are listed in ``overrides.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Union
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from hf_elixir import checkpoint
+from hf_elixir.integrations.accelerate import ELIXIR_STATE_DIR, ElixirAccelerator
+from hf_elixir.integrations.planning import unsupported_optimizer_message
+from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixir_requested
+from hf_elixir.runtime import ElixirModule
+
+SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for the LR scheduler state
+SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd")
+
+
+@dataclass
+class ElixirTrainingArguments(TrainingArguments):
+    """TrainingArguments with ``elixir`` and ``elixir_config``.
+
+    ``elixir`` is also switched on by ``ACCELERATE_USE_ELIXIR=true`` (set by ``hf-elixir
+    launch``). ``elixir_config`` is a dict, a JSON object or the path of a JSON file with
+    ElixirPlugin options; unset options come from ``ELIXIR_*`` environment variables.
+    Every option is checked here, before any model is touched.
+    """
+
+    elixir: bool = field(default=False, metadata={"help": "Shard the model with hf_elixir (planned automatically)."})
+    elixir_config: Optional[Union[dict, str]] = field(
+        default=None,
+        metadata={"help": "hf_elixir options as a JSON object or a JSON file path, e.g. "
+                          "'{\"gpu_memory\": \"24GiB\", \"offload\": \"auto\"}'."},
+    )
+
+    def __post_init__(self) -> None:
+        if not self.elixir and elixir_requested():
+            self.elixir = True
+        self.elixir_plugin: Optional[ElixirPlugin] = None
+        if self.elixir:
+            self.elixir_plugin = ElixirPlugin.from_json(self.elixir_config)
+            if self.deepspeed:
+                raise ElixirConfigError("--elixir and --deepspeed both shard the model; use one of them")
+            if self.fsdp:
+                raise ElixirConfigError("--elixir and --fsdp both shard the model; use one of them")
+            optim = str(getattr(self.optim, "value", self.optim))
+            if optim not in SUPPORTED_OPTIMS:
+                raise ElixirConfigError(unsupported_optimizer_message(f"--optim {optim}"))
+        elif self.elixir_config is not None:
+            raise ElixirConfigError("--elixir_config is set but hf_elixir is off; add --elixir")
+        super().__post_init__()
+
+    @property
+    def place_model_on_device(self) -> Optional[bool]:
+        # The model is sharded onto the device by accelerator.prepare, never moved whole first.
+        return False if self.elixir else super().place_model_on_device
+
+
+def _plugin_for(args: Any) -> Optional[ElixirPlugin]:
+    if isinstance(args, ElixirTrainingArguments):
+        return args.elixir_plugin
+    return ElixirPlugin() if elixir_requested() else None
+
+
+class ElixirTrainer(Trainer):
+    """A Trainer whose accelerator is an ElixirAccelerator when hf_elixir is on."""
+
+    def __init__(self, model=None, args=None, *rest: Any, **kwargs: Any) -> None:
+        self._elixir_plugin = _plugin_for(args)
+        super().__init__(model, args, *rest, **kwargs)
+
+    @property
+    def is_elixir(self) -> bool:
+        return self._elixir_plugin is not None
+
+    def create_accelerator_and_postprocess(self) -> None:
+        if not self.is_elixir:
+            return super().create_accelerator_and_postprocess()
+        # The Trainer builds its accelerator by name inside this method; point the name at
+        # ElixirAccelerator for the call, keeping every argument the Trainer computes.
+        import transformers.trainer as trainer_module
+
+        original = trainer_module.Accelerator
+        trainer_module.Accelerator = functools.partial(ElixirAccelerator, elixir_plugin=self._elixir_plugin)
+        try:
+            super().create_accelerator_and_postprocess()
+        finally:
+            trainer_module.Accelerator = original
+
+    # ------------------------------------------------------------------ model access
+    def _elixir_module(self) -> Optional[ElixirModule]:
+        wrapped = getattr(self, "model_wrapped", None)
+        return wrapped if isinstance(wrapped, ElixirModule) else None
+
+    def _elixir_optimizer(self):
+        opt = self.optimizer
+        return getattr(opt, "optimizer", opt)
+
+    def _wrap_model(self, model, training: bool = True, dataloader=None):
+        emodel = self._elixir_module()
+        if emodel is not None and model in (emodel, emodel.module):
+            return emodel  # evaluation and later training run through the sharded wrapper
+        return super()._wrap_model(model, training=training, dataloader=dataloader)
+
+    # ------------------------------------------------------------------ saving
+    def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+        """A ``from_pretrained`` folder: weights gathered collectively, written by the main process."""
+        emodel = self._elixir_module()
+        if emodel is None:
+            return super().save_model(output_dir, _internal_call=_internal_call)
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state_dict = emodel.state_dict()  # every process takes part
+        self._save(output_dir, state_dict=state_dict)
+        self.accelerator.wait_for_everyone()
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        emodel = self._elixir_module()
+        if emodel is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        checkpoint.save(emodel, self._elixir_optimizer(), Path(output_dir) / ELIXIR_STATE_DIR)
+        if self.args.should_save and self.lr_scheduler is not None:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_FILE))
+
+    # ------------------------------------------------------------------ resuming
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        # An hf_elixir checkpoint is loaded after the model is sharded (in
+        # _load_optimizer_and_scheduler); any other checkpoint loads whole, as usual.
+        if self.is_elixir and _has_elixir_state(resume_from_checkpoint):
+            return
+        return super()._load_from_checkpoint(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint_dir: Optional[str]) -> None:
+        emodel = self._elixir_module()
+        if checkpoint_dir is None or emodel is None or not _has_elixir_state(checkpoint_dir):
+            return super()._load_optimizer_and_scheduler(checkpoint_dir)
+        # weights, optimizer state and the param_groups' learning rates, resharded to this run
+        checkpoint.load(emodel, self._elixir_optimizer(), Path(checkpoint_dir) / ELIXIR_STATE_DIR)
+        sched = os.path.join(checkpoint_dir, SCHEDULER_FILE)
+        if self.lr_scheduler is not None and os.path.isfile(sched):
+            self.lr_scheduler.load_state_dict(torch.load(sched, weights_only=True))
+
+    def _load_best_model(self) -> None:
+        emodel = self._elixir_module()
+        best = self.state.best_model_checkpoint
+        if emodel is None or best is None or not _has_elixir_state(best):
+            return super()._load_best_model()
+        checkpoint.load(emodel, None, Path(best) / ELIXIR_STATE_DIR)
+
+
+def _has_elixir_state(directory: str) -> bool:
+    return (Path(directory) / ELIXIR_STATE_DIR / "elixir_index.json").is_file()
