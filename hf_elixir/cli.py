@@ -208,7 +208,14 @@ def cmd_export(args) -> int:
 
 
 # ---------------------------------------------------------------------- entry point
-COMMANDS: list[Callable] = [register_plan, register_calibrate, register_export]
+def _integration_commands() -> list[Callable]:
+    from hf_elixir.cli_launch import register_config, register_launch
+    from hf_elixir.demo import register_demo
+
+    return [register_config, register_launch, register_demo]
+
+
+COMMANDS: list[Callable] = [register_plan, register_calibrate, register_export, *_integration_commands()]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -222,6 +229,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":  # its options belong to Accelerate's launcher and the script
+        from hf_elixir.cli_launch import launch_main
+
+        return launch_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -1,0 +1,165 @@
+"""``hf-elixir config`` and ``hf-elixir launch`` (the command-line side of integrations/launch.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, option_fields
+
+DEFAULT_CONFIG = "elixir_accelerate.yaml"
+OPTION_HELP = {
+    "plan": "'auto' (search) or a plan JSON from `hf-elixir plan --json`",
+    "gpu_memory": "memory per device the plan may use, e.g. 24GiB (default: the device's)",
+    "hardware": "hardware preset for the cost model (default: this machine)",
+    "chunk_size_mb": "pin the chunk size, in MiB",
+    "rcache_blocks": "pin the number of gathered chunks kept (rCache blocks)",
+    "offload": "optimizer state in CPU memory: auto, none, all or a fraction 0-1",
+    "activation_checkpointing": "auto, on or off",
+    "batch_size": "per-device micro-batch to plan for (default: the first training batch)",
+    "seq_len": "sequence length to plan for (default: the first training batch)",
+}
+
+
+def _cli_error(message: str) -> Exception:
+    from hf_elixir.cli import CLIError
+
+    return CLIError(message)
+
+
+# ---------------------------------------------------------------------- config
+def register_config(sub) -> None:
+    p = sub.add_parser(
+        "config", help="write an accelerate config file with an elixir: section",
+        description="Write an accelerate config YAML plus an 'elixir:' section for `hf-elixir launch`. "
+                    "Asks each question unless --non-interactive; flags given are not asked.")
+    p.add_argument("--config_file", default=DEFAULT_CONFIG, help=f"where to write it (default {DEFAULT_CONFIG})")
+    p.add_argument("--non-interactive", "--non_interactive", dest="non_interactive", action="store_true",
+                   help="take flags and defaults, ask nothing")
+    p.add_argument("--num_processes", type=int, default=None, help="processes (GPUs) on this machine")
+    p.add_argument("--mixed_precision", choices=("no", "bf16", "fp16"), default=None)
+    p.add_argument("--main_process_port", type=int, default=None)
+    p.add_argument("--use_cpu", action="store_true", default=None, help="train on the CPU even if GPUs exist")
+    for f in option_fields():
+        p.add_argument(f"--{f.name}", default=None, help=OPTION_HELP.get(f.name))
+    p.set_defaults(func=cmd_config)
+
+
+def _ask(question: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
+    while True:
+        answer = input(f"{question} [{default}]: ").strip()
+        if not answer:
+            return default
+        try:
+            return cast(answer)
+        except (ValueError, ElixirConfigError) as e:
+            print(f"  {e}; try again", file=sys.stderr)
+
+
+def cmd_config(args) -> int:
+    import torch
+
+    from hf_elixir.integrations.launch import default_config, write_config
+
+    gpus = torch.cuda.device_count()
+    use_gpu = gpus > 0 and not args.use_cpu
+    interactive = not args.non_interactive and sys.stdin.isatty()
+    num = args.num_processes
+    if num is None:
+        num = gpus if use_gpu else 2
+        if interactive:
+            num = _ask("How many processes (one per GPU)?", num, int)
+    if num < 1:
+        raise _cli_error("--num_processes must be at least 1")
+    precision = args.mixed_precision
+    if precision is None:
+        precision = "bf16" if use_gpu else "no"
+        if interactive:
+            precision = _ask("Precision (no, bf16, fp16)?", precision,
+                             lambda s: s if s in ("no", "bf16", "fp16") else _raise(ValueError(f"{s!r} is not no/bf16/fp16")))
+    options = {f.name: getattr(args, f.name) for f in option_fields()}
+    if interactive:
+        for name, question in (("gpu_memory", "Memory per device for the plan (blank: all of it)?"),
+                               ("offload", "Offload optimizer state to CPU (auto, none, all, 0-1)?"),
+                               ("activation_checkpointing", "Activation checkpointing (auto, on, off)?")):
+            if options[name] is None:
+                default = "auto" if name != "gpu_memory" else None
+                options[name] = _ask(question, default, lambda s, n=name: _checked(n, s))
+    try:
+        plugin = ElixirPlugin.from_dict({k: v for k, v in options.items() if v is not None})
+    except ElixirConfigError as e:
+        raise _cli_error(str(e)) from None
+    path = write_config(args.config_file, default_config(num, precision, use_gpu, args.main_process_port), plugin)
+    print(f"wrote {path}; start training with:\n  hf-elixir launch --config_file {path} your_script.py [args]")
+    return 0
+
+
+def _raise(e: Exception):
+    raise e
+
+
+def _checked(name: str, value: str) -> str:
+    ElixirPlugin.from_dict({name: value})  # raises with the reason
+    return value
+
+
+# ---------------------------------------------------------------------- launch
+LAUNCH_USAGE = """usage: hf-elixir launch --config_file FILE [accelerate launch options] script.py [script args]
+
+Check the config's elixir: section, then start script.py on every process like
+`accelerate launch` does, with hf_elixir installed in each worker (unmodified Accelerate and
+Trainer scripts get the runtime). Accelerate's own options (--num_processes,
+--main_process_port, ...) go before the script."""
+
+
+def register_launch(sub) -> None:
+    # Parsed by hand (launch_main): everything after the config file belongs to Accelerate's
+    # launcher or to the script, which argparse cannot separate for us.
+    sub.add_parser("launch", help="run a training script under hf_elixir (accelerate launch semantics)",
+                   add_help=False)
+
+
+def split_config_file(argv: list[str]) -> tuple[Optional[str], list[str]]:
+    """Take ``--config_file FILE`` (or ``=FILE``) out of the launcher options before the script."""
+    rest: list[str] = []
+    config = None
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("--config_file", "--config-file") and i + 1 < len(argv):
+            config = argv[i + 1]
+            i += 2
+            continue
+        if arg.startswith(("--config_file=", "--config-file=")):
+            config = arg.split("=", 1)[1]
+            i += 1
+            continue
+        if not arg.startswith("-"):  # the script: the rest is its own
+            rest.extend(argv[i:])
+            break
+        rest.append(arg)
+        i += 1
+    return config, rest
+
+
+def launch_main(argv: list[str]) -> int:
+    from hf_elixir.integrations.launch import LaunchError, launch
+
+    if not argv or argv[0] in ("-h", "--help"):
+        print(LAUNCH_USAGE)
+        return 0 if argv else 2
+    config, rest = split_config_file(argv)
+    if config is None:
+        print("hf-elixir launch: error: --config_file FILE is required (write one with `hf-elixir config`)",
+              file=sys.stderr)
+        return 2
+    if not Path(config).is_file():
+        print(f"hf-elixir launch: error: no config file {config}", file=sys.stderr)
+        return 2
+    try:
+        launch(config, rest)
+    except LaunchError as e:
+        print(f"hf-elixir launch: error: {e}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,213 @@
+"""``hf-elixir demo``: fine-tune a pretrained GPT-2 with the Trainer on hf_elixir, end to end.
+
+The demo is what a user of this package does: take a pretrained GPT-2, fine-tune it on text
+of another style with ``examples/finetune_gpt2_trainer.py`` started by ``hf-elixir launch``
+on every local device (2 processes on a CPU-only machine), and look at the held-out
+perplexity and a sample before and after.
+
+Where no model hub can be reached, the default pretrained model is a small GPT-2 the demo
+pre-trains once on ``examples/data/tiny_corpus.txt``, with a byte-level BPE tokenizer trained
+on all the demo's text (as GPT-2's tokenizer covers the text it meets); both are saved as ordinary ``from_pretrained`` folders in a cache and
+reused. ``--model_name_or_path gpt2`` fine-tunes the real checkpoint where the hub is reachable.
+The fine-tuning text is a lighthouse logbook (``examples/data/logbook_*.txt``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+DATA = EXAMPLES / "data"
+SCRIPT = EXAMPLES / "finetune_gpt2_trainer.py"
+EOS = "<|endoftext|>"
+
+
+@dataclass(frozen=True)
+class BaseRecipe:
+    """How the stand-in for a hub GPT-2 is made; its hash names the cache folder."""
+
+    vocab_size: int = 1024
+    n_embd: int = 128
+    n_layer: int = 4
+    n_head: int = 4
+    n_positions: int = 128
+    steps: int = 150
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+
+    def key(self, corpus: bytes) -> str:
+        blob = json.dumps(asdict(self), sort_keys=True).encode() + corpus
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+FULL = BaseRecipe()
+FAST = BaseRecipe(vocab_size=512, n_embd=64, n_layer=2, steps=60)
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "hf_elixir" / "demo"
+
+
+# ---------------------------------------------------------------------- the base model
+def ensure_base_model(cache: Path, recipe: BaseRecipe, log=print) -> Path:
+    """The cached pre-trained stand-in for ``gpt2``, made once (tokenizer and weights)."""
+    corpus = (DATA / "tiny_corpus.txt").read_bytes()
+    # GPT-2's tokenizer has seen text of every kind; this one sees the fine-tuning text too
+    vocabulary_text = corpus.decode() + (DATA / "logbook_train.txt").read_text()
+    folder = cache / f"gpt2-small-demo-{recipe.key(vocabulary_text.encode())}"
+    if (folder / "config.json").is_file() and (folder / "tokenizer.json").is_file():
+        log(f"pretrained model: {folder} (cached)")
+        return folder
+    log("No model hub here: pre-training a small GPT-2 once on examples/data/tiny_corpus.txt "
+        f"({recipe.n_layer} layers, width {recipe.n_embd}, {recipe.steps} steps) and a byte-level BPE "
+        f"tokenizer; cached in {folder}")
+    tmp = folder.with_name(folder.name + f".tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    text = corpus.decode()
+    tokenizer = train_tokenizer(vocabulary_text, recipe.vocab_size)
+    tokenizer.save_pretrained(tmp)
+    model = pretrain(text, tokenizer, recipe, log)
+    model.save_pretrained(tmp)
+    if folder.exists():  # another demo finished first: keep its copy
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:
+        os.rename(tmp, folder)
+    return folder
+
+
+def train_tokenizer(text: str, vocab_size: int):
+    """A byte-level BPE tokenizer (GPT-2's scheme) trained on ``text``."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(text.splitlines(keepends=True), vocab_size=vocab_size, min_frequency=2,
+                            special_tokens=[EOS], show_progress=False)
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=EOS, eos_token=EOS,
+                                   unk_token=EOS, pad_token=EOS)
+
+
+def pretrain(text: str, tokenizer, recipe: BaseRecipe, log=print):
+    """Plain PyTorch pre-training on random windows of the corpus (one process)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(recipe.seed)
+    ids = torch.tensor(tokenizer(text).input_ids)
+    config = GPT2Config(vocab_size=len(tokenizer), n_positions=recipe.n_positions, n_embd=recipe.n_embd,
+                        n_layer=recipe.n_layer, n_head=recipe.n_head, bos_token_id=tokenizer.eos_token_id,
+                        eos_token_id=tokenizer.eos_token_id, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = GPT2LMHeadModel(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.01, fused=True)
+    warmup = max(1, recipe.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min((s + 1) / warmup, max(0.05, (recipe.steps - s) / (recipe.steps - warmup))))
+    gen = torch.Generator().manual_seed(recipe.seed)
+    start = time.perf_counter()
+    model.train()
+    for step in range(1, recipe.steps + 1):
+        starts = torch.randint(0, len(ids) - recipe.seq_len - 1, (recipe.batch_size,), generator=gen)
+        batch = torch.stack([ids[s : s + recipe.seq_len] for s in starts])
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == recipe.steps:
+            log(f"  pre-training step {step}/{recipe.steps}  loss {loss.item():.3f}  "
+                f"({time.perf_counter() - start:.0f}s)")
+    return model.eval()
+
+
+# ---------------------------------------------------------------------- the fine-tune
+def finetune_args(model: str, output: Path, fast: bool, port: int) -> list[str]:
+    """The launcher and Trainer arguments of the fine-tune."""
+    steps = 30 if fast else 100
+    return [
+        "--main_process_port", str(port),
+        str(SCRIPT),
+        "--model_name_or_path", str(model),
+        "--train_file", str(DATA / "logbook_train.txt"),
+        "--validation_file", str(DATA / "logbook_valid.txt"),
+        "--block_size", "64",
+        "--output_dir", str(output),
+        "--save_strategy", "no",
+        "--eval_strategy", "no",
+        "--max_steps", str(steps),
+        "--per_device_train_batch_size", "8",
+        "--per_device_eval_batch_size", "8",
+        "--gradient_accumulation_steps", "2",
+        "--learning_rate", "1e-3",
+        "--warmup_steps", str(steps // 10),
+        "--weight_decay", "0.01",
+        "--max_grad_norm", "1.0",
+        "--logging_steps", "5",
+        "--report_to", "none",
+        "--seed", "0",
+        "--prompt", "Day 400.",
+        "--dataloader_num_workers", "0",
+    ]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def register_demo(sub) -> None:
+    p = sub.add_parser("demo", help="fine-tune a pretrained GPT-2 with the Trainer on hf_elixir (a few minutes)",
+                       description=__doc__.split("\n\n")[0])
+    p.add_argument("--model_name_or_path", default=None,
+                   help="hub id or folder of a pretrained causal LM (default: the demo's own small GPT-2)")
+    p.add_argument("--output", default="out/demo", help="where the fine-tuned model and config go")
+    p.add_argument("--cache-dir", default=None, help=f"where the demo's base model is cached (default {default_cache()})")
+    p.add_argument("--num_processes", type=int, default=None, help="processes (default: GPUs, or 2 on a CPU)")
+    p.add_argument("--fast", action="store_true", help="a smaller base model and fewer steps (for CI)")
+    p.set_defaults(func=cmd_demo)
+
+
+def cmd_demo(args) -> int:
+    import torch
+
+    from hf_elixir.cli import CLIError
+    from hf_elixir.integrations.launch import LaunchError, default_config, launch, write_config
+    from hf_elixir.integrations.plugin import ElixirPlugin
+
+    if not SCRIPT.is_file():
+        raise CLIError(f"the demo runs {SCRIPT}, which is missing: run it from a source checkout of hf_elixir")
+    output = Path(args.output).absolute()
+    if (output / "model").exists():
+        shutil.rmtree(output / "model")
+    output.mkdir(parents=True, exist_ok=True)
+    model: Optional[str] = args.model_name_or_path
+    if model is None:
+        recipe = FAST if args.fast else FULL
+        model = str(ensure_base_model(Path(args.cache_dir) if args.cache_dir else default_cache(), recipe))
+    procs = args.num_processes or max(torch.cuda.device_count(), 2 if not torch.cuda.is_available() else 1)
+    config = write_config(output / "accelerate_elixir.yaml",
+                          default_config(procs, "bf16" if torch.cuda.is_available() else "no"),
+                          ElixirPlugin(plan="auto", offload="auto", activation_checkpointing="auto"))
+    print(f"fine-tuning {model} on the lighthouse logbook with the Trainer on {procs} process(es):\n"
+          f"  hf-elixir launch --config_file {config} {SCRIPT.relative_to(ROOT)} ...", flush=True)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:
+        launch(config, finetune_args(model, output / "model", args.fast, free_port()))
+    except LaunchError as e:
+        raise CLIError(str(e)) from None
+    print(f"done: the fine-tuned model is in {output / 'model'}")
+    return 0
