@@ -24,9 +24,17 @@ def install() -> None:
     from hf_elixir.integrations.accelerate import ElixirAccelerator
     from hf_elixir.integrations.trainer import ElixirTrainer, ElixirTrainingArguments
 
-    accelerate.Accelerator = ElixirAccelerator
-    transformers.Trainer = ElixirTrainer
-    transformers.TrainingArguments = ElixirTrainingArguments
+    # transformers' lazy module may put a new module object into sys.modules while loading
+    # (seen with 5.x): set the names on every object a later import could return
+    replacements = {
+        "accelerate": {"Accelerator": ElixirAccelerator},
+        "transformers": {"Trainer": ElixirTrainer, "TrainingArguments": ElixirTrainingArguments},
+    }
+    imported = {"accelerate": accelerate, "transformers": transformers}
+    for package, names in replacements.items():
+        for module in {id(m): m for m in (imported[package], sys.modules[package])}.values():
+            for name, cls in names.items():
+                setattr(module, name, cls)
 
 
 def main(argv: list[str] | None = None) -> None:
