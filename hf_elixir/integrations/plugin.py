@@ -231,7 +231,8 @@ def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
         if kind is int and float(value) != number:
             raise ValueError
     except (TypeError, ValueError):
-        raise ElixirConfigError(f"elixir option {name}: {value!r} is not a {kind.__name__}") from None
+        what = "a whole number" if kind is int else "a number"
+        raise ElixirConfigError(f"elixir option {name}: {value!r} is not {what}") from None
     if number < minimum:
         raise ElixirConfigError(f"elixir option {name}: {value!r} must be at least {minimum:g}")
     return number
