@@ -1,4 +1,4 @@
-"""A small fine-tune through the hf_elixir runtime, on local processes.
+"""The bare runtime, without Accelerate or the Trainer: a small training loop on local processes.
 
     torchrun --nproc_per_node 2 examples/finetune_demo.py
 

@@ -1,4 +1,4 @@
-"""The README's main job: the demo runs under torchrun on 2 processes and trains."""
+"""The bare-runtime example (examples/finetune_demo.py) runs under torchrun on 2 processes and trains."""
 
 from __future__ import annotations
 
