@@ -196,3 +196,17 @@ def test_plugin_json_round_trip(tmp_path) -> None:
     (tmp_path / "e.json").write_text(json.dumps({"offload": "all", "batch_size": 4}))
     plugin = ElixirPlugin.from_json(str(tmp_path / "e.json"))
     assert plugin.offload == "all" and plugin.batch_size == 4
+
+
+@pytest.mark.parametrize("env, kwargs, message", [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, {}, "DeepSpeed"),
+    ({"ACCELERATE_USE_FSDP": "true"}, {}, "FSDP"),
+    ({}, {"fsdp_plugin": object()}, "FSDP"),
+])
+def test_accelerator_refuses_other_sharding(monkeypatch, env, kwargs, message) -> None:
+    from hf_elixir.integrations.accelerate import ElixirAccelerator
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(ElixirConfigError, match=message):
+        ElixirAccelerator(elixir_plugin=ElixirPlugin(), **kwargs)

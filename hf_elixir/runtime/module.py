@@ -7,8 +7,10 @@ hooks gather each chunk just before a module needs it (see hooks.py).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import weakref
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -17,7 +19,7 @@ from torch import nn
 
 from hf_elixir.plan.plan import ElixirPlan, PlanError
 from hf_elixir.runtime.cache import RCache
-from hf_elixir.runtime.chunk import Chunk, Slot
+from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager
@@ -112,6 +114,7 @@ class ElixirModule(nn.Module):
         )
         self.hooks.install()
         setattr(model, _WRAPPED_ATTR, True)
+        atexit.register(_drain_at_exit, weakref.ref(self))
 
     # ------------------------------------------------------------------ construction
     def _placement(self, where: str) -> torch.device:
@@ -229,6 +232,14 @@ class ElixirModule(nn.Module):
             chunk.grad_shard.zero_()
         self.reducer.clear_seen()
 
+    def drain(self) -> None:
+        """Wait for gathers still in flight (the prefetch started after each optimizer step).
+        A process that exits while a collective runs in the communication thread aborts
+        ("terminate called without an active exception"), so this runs at exit too."""
+        for chunk in self.chunks:
+            if chunk.state is ChunkState.GATHERING:
+                chunk.finish_gather()
+
     def release_all(self) -> None:
         """Drop every gathered chunk (called after an optimizer step changes the shards)."""
         self.fetcher.release_all()
@@ -340,3 +351,9 @@ class ElixirModule(nn.Module):
             if k in state_dict and id(v) not in slot_params:
                 v.data.copy_(state_dict[k])
         return nn.modules.module._IncompatibleKeys(missing, unexpected)
+
+
+def _drain_at_exit(ref: "weakref.ReferenceType[ElixirModule]") -> None:
+    module = ref()
+    if module is not None:
+        module.drain()
