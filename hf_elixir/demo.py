@@ -151,7 +151,7 @@ def finetune_args(model: str, output: Path, fast: bool, port: int) -> list[str]:
         "--per_device_train_batch_size", "8",
         "--per_device_eval_batch_size", "8",
         "--gradient_accumulation_steps", "2",
-        "--learning_rate", "1e-3",
+        "--learning_rate", "3e-3",
         "--warmup_steps", str(steps // 10),
         "--weight_decay", "0.01",
         "--max_grad_norm", "1.0",
