@@ -184,3 +184,29 @@ def test_host_memory_too_small_for_the_offload_says_so():
     blame CPU memory, not claim the card needs 100+ GiB."""
     with pytest.raises(PlanError, match=r"CPU memory per node, more than the 115\.20 GiB usable of 128\.00 GiB"):
         plan(known_config("llama-2-13b"), (1, 1024), hardware="rtx4090", world_size=1, dtype="bf16")
+
+
+@pytest.mark.parametrize("fixture,world_size", [("gpt2", 2), ("llama", 2)])
+def test_choice_rule_is_the_one_the_summary_states(request, fixture, world_size):
+    """No candidate that fits is predicted faster without offloading more than the chosen plan,
+    and the summary labels the choice by that rule (issue 9: the label said "fastest that fits"
+    while a faster runner-up that offloaded more was listed)."""
+    from hf_elixir.plan.search import chain, enumerate_candidates
+    from hf_elixir.plan.summary import CHOICE_RULE
+
+    model, prof = request.getfixturevalue(fixture)
+    hw = HardwareProfile.preset("a100-80g")
+    cands, _ = enumerate_candidates(prof, hw, world_size, "float32", "adamw")
+    path = chain(cands)
+    peaks = sorted({c.peak for c in cands})
+    for budget in peaks[:: max(1, len(peaks) // 12)]:
+        fitting = [c for c in path if c.peak <= budget]
+        if not fitting:
+            continue
+        best = fitting[-1]
+        for c in cands:
+            if c.peak <= budget and c.key() < best.key():
+                assert c.optim_offload > best.optim_offload or c.param_offload > best.param_offload
+    p = plan(model, (2, 32), hardware=hw, world_size=world_size, dtype="fp32", profile=prof,
+             memory_budget=int(peaks[len(peaks) // 2]))
+    assert CHOICE_RULE in summary(p)

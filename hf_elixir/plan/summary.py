@@ -29,6 +29,10 @@ def _row(label: str, d: dict[str, Any]) -> list[str]:
     ]
 
 
+# The search's rule (search.py's docstring), stated where the choice is shown.
+CHOICE_RULE = "chosen: fastest that fits, unless faster means offloading more"
+
+
 def chosen_as_dict(plan) -> dict[str, Any]:
     p = plan.predictions
     return {
@@ -38,7 +42,7 @@ def chosen_as_dict(plan) -> dict[str, Any]:
         "optim_offload_chunks": sum(c.optim_placement == "cpu" for c in plan.chunks),
         "param_offload_chunks": sum(c.param_placement == "cpu" for c in plan.chunks),
         "peak_bytes": p.get("peak_bytes", 0), "step_time_s": p.get("step_time_s", 0.0),
-        "memory": p.get("memory", {}), "time": p.get("time", {}), "reason": "chosen: fastest that fits",
+        "memory": p.get("memory", {}), "time": p.get("time", {}), "reason": CHOICE_RULE,
     }
 
 
