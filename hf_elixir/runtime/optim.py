@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as functional_adam
+from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
 
 from hf_elixir.runtime.chunk import Chunk, Slot
@@ -341,10 +342,12 @@ class ElixirOptimizer(Optimizer):
         fused = _fused_ok(device)
         if self.algorithm in ("adamw", "adam"):
             beta1, beta2 = group["betas"]
-            functional_adam(
+            # functional adamw, not adam(decoupled_weight_decay=True): that argument only
+            # exists from torch 2.7, and the package accepts 2.4
+            update = functional_adamw if self.algorithm == "adamw" else functional_adam
+            update(
                 b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], [], b["steps"],
                 foreach=None if fused else True, fused=fused,
-                decoupled_weight_decay=self.algorithm == "adamw",
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False),
             )
