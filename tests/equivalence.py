@@ -54,8 +54,32 @@ def skip_second_layer_on_odd_steps(model, step: int) -> None:
     model.skip_layers = {1} if step % 2 else set()
 
 
+def late_gradient_on_rank_0(emodel, rank: int) -> None:
+    """Force a *late* chunk on rank 0 only: once the embedding's output gradient is computed
+    (near the end of backward, after the last chunk went), hand that chunk a zero gradient
+    for its first parameter. Zeros leave the result unchanged; only the collectives differ."""
+    if rank != 0:
+        return
+    model = emodel.module
+    top = emodel.chunks[-1]
+    emodel.forced_late = []
+
+    def on_embedding_grad(grad):
+        emodel.forced_late.append(top.reduced)  # True: the chunk had already gone
+        slot = top.slots[0]
+        emodel.reducer.on_grad(top, slot, torch.zeros(slot.shape, dtype=top.dtype))
+        return grad
+
+    def hook(module, args, output):
+        if output.requires_grad:
+            output.register_hook(on_embedding_grad)
+
+    model.get_input_embeddings().register_forward_hook(hook)
+
+
 PREPARE = {"freeze_wpe": freeze_position_embeddings}
 ON_STEP = {"skip_layer": skip_second_layer_on_odd_steps}
+ON_WRAP = {"late_on_rank_0": late_gradient_on_rank_0}
 
 
 def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt_kind: str = "adamw",
@@ -82,7 +106,7 @@ def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt
 
 def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None = None, steps: int = STEPS,
                prepare: str | None = None, opt_kind: str = "adamw", on_step: str | None = None,
-               plan_json: str | None = None) -> dict:
+               plan_json: str | None = None, on_wrap: str | None = None) -> dict:
     """One rank of the hf_elixir side, with ``ElixirPlan.simple(**plan_kwargs)`` or the plan
     in ``plan_json``. Returns losses, final full state and memory report."""
     import torch.distributed as dist
@@ -99,6 +123,8 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
     else:
         plan = hfe.ElixirPlan.simple(model, world_size, **(plan_kwargs or {}))
     emodel = hfe.ElixirModule(model, plan)
+    if on_wrap:
+        ON_WRAP[on_wrap](emodel, rank)
     eopt = hfe.ElixirOptimizer(emodel, opt)
     ids = make_batch(GLOBAL_BATCH, SEQ)
     micro = GLOBAL_BATCH // ACCUM
@@ -122,7 +148,8 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
         losses.append(total.item() / world_size)
     state = emodel.state_dict()
     return {"losses": losses, "state": state if rank == 0 else None,
-            "memory": emodel.memory_report(), "n_chunks": plan.n_chunks}
+            "memory": emodel.memory_report(), "n_chunks": plan.n_chunks,
+            "forced_late": getattr(emodel, "forced_late", [])}
 
 
 def assert_matches(ref: dict, got: dict, rtol: float = 1e-5, atol: float = 3e-8, label: str = "") -> None:
