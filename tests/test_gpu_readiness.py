@@ -167,6 +167,20 @@ def test_a_late_chunk_on_one_rank_is_reduced_on_every_rank() -> None:
     assert_matches(reference_run("gpt2"), results[0], label="late on rank 0")
 
 
+def _different_traces(rank: int, world_size: int) -> dict:
+    return elixir_run(rank, world_size, "gpt2", dict(chunk_size=4096), on_wrap="extra_request_on_rank_0")
+
+
+def test_ranks_that_recorded_different_orders_all_drop_the_trace() -> None:
+    """Prefetching along a trace only one rank recorded would issue gathers the others do
+    not; the ranks compare their recordings and drop them together, then record again."""
+    results = run_distributed(_different_traces, 2, timeout=180)
+    for got in results:
+        stats = got["memory"]["cache_stats"]
+        assert stats["trace_disagreements"] == 1 and stats["prefetches"] > 0
+    assert_matches(reference_run("gpt2"), results[0], label="different traces")
+
+
 # ---------------------------------------------------------------------- layout
 class OddSizes(nn.Module):
     """Parameters whose sizes are not multiples of 4 or 8 elements."""

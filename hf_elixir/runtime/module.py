@@ -7,8 +7,10 @@ hooks gather each chunk just before a module needs it (see hooks.py).
 
 from __future__ import annotations
 
+import array
 import contextlib
 import os
+import zlib
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -164,7 +166,7 @@ class ElixirModule(nn.Module):
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
         self.slot_by_name = {s.name: s for s in self.slots}
-        self.cache = RCache(plan.rcache_blocks)
+        self.cache = RCache(plan.rcache_blocks, agree=self._same_on_every_rank if self.comm.distributed else None)
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder)
         self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots))
         self.hooks = HookManager(
@@ -307,6 +309,13 @@ class ElixirModule(nn.Module):
             if cids:
                 units[mod] = cids
         return units
+
+    def _same_on_every_rank(self, order: list[int]) -> bool:
+        """Whether every rank holds this sequence (length and CRC compared in one all-reduce:
+        the maximum of x and of -x give the largest and the smallest value over ranks)."""
+        key = torch.tensor([len(order), zlib.crc32(array.array("q", order).tobytes())], dtype=torch.int64)
+        both = self.comm.all_reduce(torch.cat([key, -key]), op="max")
+        return bool((both[:2] == -both[2:]).all())
 
     # ------------------------------------------------------------------ running
     def forward(self, *args: Any, **kwargs: Any) -> Any:
