@@ -99,13 +99,13 @@ ON_WRAP = {"late_on_rank_0": late_gradient_on_rank_0, "extra_request_on_rank_0":
 
 
 def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt_kind: str = "adamw",
-                  on_step: str | None = None) -> dict:
+                  on_step: str | None = None, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = build(arch)
+    model = build(arch).to(device)
     if prepare:
         PREPARE[prepare](model)
     opt, sched = make_optimizer(model, opt_kind)
-    ids = make_batch(GLOBAL_BATCH, SEQ)
+    ids = make_batch(GLOBAL_BATCH, SEQ).to(device)
     losses = []
     for step in range(steps):
         if on_step:
@@ -117,14 +117,16 @@ def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
 def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None = None, steps: int = STEPS,
                prepare: str | None = None, opt_kind: str = "adamw", on_step: str | None = None,
-               plan_json: str | None = None, on_wrap: str | None = None) -> dict:
+               plan_json: str | None = None, on_wrap: str | None = None, device: str | None = None) -> dict:
     """One rank of the hf_elixir side, with ``ElixirPlan.simple(**plan_kwargs)`` or the plan
-    in ``plan_json``. Returns losses, final full state and memory report."""
+    in ``plan_json``, computing on ``device`` (default: the wrapper's choice); the batch
+    stays on the host (the wrapper moves it). Returns losses, final full state and memory
+    report."""
     import torch.distributed as dist
 
     import hf_elixir as hfe
@@ -138,7 +140,7 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
         plan = hfe.ElixirPlan.from_json(plan_json)
     else:
         plan = hfe.ElixirPlan.simple(model, world_size, **(plan_kwargs or {}))
-    emodel = hfe.ElixirModule(model, plan)
+    emodel = hfe.ElixirModule(model, plan, device=device)
     if on_wrap:
         ON_WRAP[on_wrap](emodel, rank)
     eopt = hfe.ElixirOptimizer(emodel, opt)
@@ -154,7 +156,7 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
             rows = ids[m * micro + rank * per_rank : m * micro + (rank + 1) * per_rank]
             loss = loss_of(emodel, rows) / ACCUM
             eopt.backward(loss)
-            total += loss.detach()
+            total += loss.detach().cpu()
         eopt.clip_grad_norm_(1.0)
         eopt.step()
         sched.step()
