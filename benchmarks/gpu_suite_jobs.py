@@ -201,6 +201,10 @@ def setup_deepspeed(model, job: dict, device: torch.device) -> tuple[Callable, d
     import deepspeed
 
     init_single_process_group(device)
+    if device.type == "cpu":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (a minute, on
+        # a fresh machine) as its backend starts; one process never uses it
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
     if job.get("checkpointing"):
         enable_checkpointing(model)
