@@ -29,6 +29,7 @@ and a one-screen summary. Exit status 1 when the smoke test fails or a job errs.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
@@ -144,7 +145,9 @@ def section_offload(runner: Runner, s: dict) -> dict:
         "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"], later + _least(s, "fsdp2", "deepspeed")),
         "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"],
                                     later + _least(s, "deepspeed")),
-        "deepspeed_offload": runner.run(train_job(s, "deepspeed", checkpointing=True), t["deepspeed"], later),
+        "deepspeed_offload": runner.run(train_job(s, "deepspeed", checkpointing=True), t["deepspeed"], later)
+        if importlib.util.find_spec("deepspeed") else
+        {"status": "unavailable", "error": "deepspeed is not installed (pip install -e '.[bench]')"},
     }
 
 

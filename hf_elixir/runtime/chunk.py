@@ -62,7 +62,7 @@ class Slot:
         return begin - shard_begin, end - shard_begin, begin - self.offset
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field tensor comparison
 class Chunk:
     index: int
     size: int                      # elements: the contents rounded up to a multiple of W
@@ -144,13 +144,13 @@ class Chunk:
             self.wait_upload()
             self.work = Work()
         elif self.shard.device != self.device and self.copy_stream is not None:
-            self.work = self._gather_from_host(async_op)
+            self.work = self._gather_from_host()
         else:
             self.wait_upload()
             self.work = self.comm.all_gather(self.full, self.shard, async_op=async_op)
         self.state = ChunkState.GATHERING
 
-    def _gather_from_host(self, async_op: bool) -> Work:
+    def _gather_from_host(self) -> Work:
         """Offloaded parameters on CUDA: upload the pinned host shard on the copy stream and
         gather from there. The compute stream waits only when the chunk is needed
         (``finish_gather``), so the upload overlaps the compute queued in between."""
@@ -162,8 +162,10 @@ class Chunk:
                 self._upload_tmp = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
                 self._upload_tmp.copy_(self.shard, non_blocking=True)
                 self.host_read_event = _record(stream)
-                # issued under the copy stream: NCCL waits for the upload, not for compute
-                return self.comm.all_gather(self.full, self._upload_tmp, async_op=async_op)
+                # issued under the copy stream: NCCL waits for the upload, not for compute.
+                # Always asynchronous: a synchronous call would make the copy stream wait,
+                # while finish_gather must make the compute stream wait
+                return self.comm.all_gather(self.full, self._upload_tmp, async_op=True)
             self.full.copy_(self.shard, non_blocking=True)
             self.host_read_event = _record(stream)
         return Work(_StreamWait(self.host_read_event, self.device))
