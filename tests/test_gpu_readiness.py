@@ -152,6 +152,44 @@ def test_older_collective_names_train_like_pytorch() -> None:
         assert_matches(ref, got, label=f"old names/{name}")
 
 
+# ---------------------------------------------------------------------- offloaded gradients
+class _CountingStream:
+    """Stands in for the CUDA compute stream: counts host waits."""
+
+    def __init__(self) -> None:
+        self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+
+
+def _staged_gradients(rank: int, world_size: int) -> tuple[dict, int, int]:
+    """The path a CUDA device takes for chunks whose optimizer runs on the host: reduced
+    shards go down into staging buffers (host tensors here), the host waits once per
+    backward and adds them into the fp32 gradient shards."""
+    os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"  # NCCL's reduce-scatter into a device scratch
+    stream = _CountingStream()
+    torch.cuda.current_stream = lambda device=None: stream
+
+    def staging_buffers(self, layout):
+        W = self.comm.world_size
+        return {}, {i: torch.empty(layout[i][0] // W, dtype=self.dtype)
+                    for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu"}
+
+    module_mod.ElixirModule._host_buffers = staging_buffers
+    plan = case_plans("llama")["c_half_optim_cpu"]
+    got = elixir_run(rank, world_size, "llama", plan)
+    return got, stream.synchronized, got["n_chunks"]
+
+
+def test_offloaded_gradients_come_down_through_staging_with_one_wait_per_backward() -> None:
+    from equivalence import ACCUM, STEPS
+
+    got, waits, _ = run_distributed(_staged_gradients, 2)[0]
+    assert waits == ACCUM * STEPS, "one host wait per backward, not one per chunk"
+    assert_matches(reference_run("llama"), got, label="staged gradients")
+
+
 # ---------------------------------------------------------------------- agreement across ranks
 def _late_on_rank_0(rank: int, world_size: int) -> dict:
     return elixir_run(rank, world_size, "gpt2", dict(chunk_size=4096), on_wrap="late_on_rank_0")
