@@ -34,6 +34,8 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from bench_step import elixir_step, plain_step
+
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
 GiB = 2**30
@@ -138,20 +140,12 @@ def setup_hf_elixir(model, job: dict, device: torch.device) -> tuple[Callable, d
     em = hfe.ElixirModule(model, plan, device=device)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
 
-    def step(ids):
-        loss = em(input_ids=ids, labels=ids).loss
-        opt.backward(loss)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     def info() -> dict:
         report = em.memory_report()
         return {"memory_report": {k: report[k] for k in ("peak", "peak_total", "current_total")},
                 "cache_stats": report["cache_stats"]}
 
-    return step, {"optimizer": "ElixirOptimizer (torch AdamW kernels)", "info": info}
+    return elixir_step(em, opt), {"optimizer": "ElixirOptimizer (torch AdamW kernels)", "info": info}
 
 
 def setup_fsdp2(model, job: dict, device: torch.device) -> tuple[Callable, dict]:
@@ -168,17 +162,8 @@ def setup_fsdp2(model, job: dict, device: torch.device) -> tuple[Callable, dict]
     for block in blocks_of(model):
         fully_shard(block, mp_policy=mp, offload_policy=policy)
     fully_shard(model, mp_policy=mp, offload_policy=policy)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-
-    def step(ids):
-        loss = model(input_ids=ids.to(device), labels=ids.to(device)).loss
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    return step, {"optimizer": "torch.optim.AdamW(fused=True)"}
+    step = plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    return (lambda ids: step(ids.to(device))), {"optimizer": "torch.optim.AdamW(fused=True)"}
 
 
 def deepspeed_cpu_adam() -> tuple[bool, str]:
