@@ -32,6 +32,7 @@ import argparse
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -103,14 +104,20 @@ class Runner:
         if torchrun:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *cmd[1:]]
         t0 = time.monotonic()
+        # a session of its own: on timeout the whole tree goes (torchrun's worker included),
+        # so nothing keeps holding the GPU for the next job
+        proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
         try:
-            proc = subprocess.run(cmd, env=self.env, cwd=ROOT, timeout=timeout, capture_output=True, text=True)
+            _, stderr = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
             return {"status": "timeout", "error": f"no result within {timeout:.0f} s", "wall_s": timeout}
         result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {
             "status": "killed" if proc.returncode < 0 else "error",
             "error": f"exit code {proc.returncode} without a result (killed for host memory?)",
-            "stderr": proc.stderr[-2000:]}
+            "stderr": stderr[-2000:]}
         result["wall_s"] = time.monotonic() - t0
         return result
 

@@ -13,7 +13,8 @@ A job is a JSON object with a ``job`` key:
   for warm-up + timed steps under an optional memory cap; tokens/s, peak allocated memory
   and, for hf_elixir, the plan's predictions are recorded.
 
-The result (always a JSON object with ``status``: ok, oom, failed, error) is written to
+The result (always a JSON object with ``status``: ok, oom, infeasible (no plan fits), failed,
+error) is written to
 the result path, so a crash after that point loses nothing; an out-of-memory error is a
 result, not a failure of the job.
 """
@@ -260,8 +261,13 @@ def run_train(job: dict) -> dict:
     if device.type == "cuda":
         out["gpu"] = torch.cuda.get_device_name(device)
     if job["system"] == "hf_elixir":
+        import hf_elixir as hfe
+
         t0 = time.perf_counter()
-        job["_plan"], hw = plan_for(job, device)
+        try:
+            job["_plan"], hw = plan_for(job, device)
+        except hfe.PlanError as exc:  # an answer (the model is too large here), not a failure
+            return dict(out, status="infeasible", error=str(exc)[:600])
         preds = job["_plan"].predictions
         out["plan"] = {"seconds": time.perf_counter() - t0, "summary": job["_plan"].summary(),
                        "predicted_peak_bytes": preds.get("peak_bytes"),
