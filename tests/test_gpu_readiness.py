@@ -153,8 +153,20 @@ def test_older_collective_names_train_like_pytorch() -> None:
 
 
 # ---------------------------------------------------------------------- offloaded gradients
-class _CountingStream:
-    """Stands in for the CUDA compute stream: counts host waits."""
+class _FakeEvent:
+    """Stands in for a CUDA event (host work is already ordered): counts records."""
+
+    recorded = 0
+
+    def record(self, stream=None) -> None:
+        _FakeEvent.recorded += 1
+
+    def synchronize(self) -> None:
+        pass
+
+
+class _FakeStream:
+    """Stands in for a CUDA stream: counts host waits, accepts every ordering call."""
 
     def __init__(self) -> None:
         self.synchronized = 0
@@ -162,32 +174,58 @@ class _CountingStream:
     def synchronize(self) -> None:
         self.synchronized += 1
 
+    def wait_stream(self, other) -> None:
+        pass
 
-def _staged_gradients(rank: int, world_size: int) -> tuple[dict, int, int]:
-    """The path a CUDA device takes for chunks whose optimizer runs on the host: reduced
-    shards go down into staging buffers (host tensors here), the host waits once per
-    backward and adds them into the fp32 gradient shards."""
+    def wait_event(self, event) -> None:
+        pass
+
+    def record_event(self) -> _FakeEvent:
+        event = _FakeEvent()
+        event.record(self)
+        return event
+
+
+def _staged_offload(rank: int, world_size: int) -> dict:
+    """The path a CUDA device takes for chunks whose optimizer runs on the host, with the
+    CUDA stream API replaced by stand-ins: reduced shards go down into staging buffers, the
+    host waits once per backward and adds them in; updated shards are cast into the staging
+    buffer and go up on the copy stream, chunk by chunk."""
+    import contextlib
+
     os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"  # NCCL's reduce-scatter into a device scratch
-    stream = _CountingStream()
+    # bf16: on the CPU an fp32 master would be the shard itself (nothing to upload)
+    plan = dict(case_plans("llama")["c_half_optim_cpu"], compute_dtype="bf16")
+    plain = elixir_run(rank, world_size, "llama", plan)
+    stream = _FakeStream()
     torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.Event = _FakeEvent
 
     def staging_buffers(self, layout):
+        self.copy_stream = stream
         W = self.comm.world_size
         return {}, {i: torch.empty(layout[i][0] // W, dtype=self.dtype)
                     for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu"}
 
     module_mod.ElixirModule._host_buffers = staging_buffers
-    plan = case_plans("llama")["c_half_optim_cpu"]
     got = elixir_run(rank, world_size, "llama", plan)
-    return got, stream.synchronized, got["n_chunks"]
+    return {"run": got, "plain": plain, "waits": stream.synchronized, "uploads": _FakeEvent.recorded,
+            "staged": sum(c.optim_placement == "cpu" for c in hfe.ElixirPlan.simple(
+                make_model("llama"), world_size, **plan).chunks)}
 
 
-def test_offloaded_gradients_come_down_through_staging_with_one_wait_per_backward() -> None:
+def test_offloaded_state_goes_through_staging_with_one_wait_per_backward() -> None:
     from equivalence import ACCUM, STEPS
 
-    got, waits, _ = run_distributed(_staged_gradients, 2)[0]
-    assert waits == ACCUM * STEPS, "one host wait per backward, not one per chunk"
-    assert_matches(reference_run("llama"), got, label="staged gradients")
+    got = run_distributed(_staged_offload, 2)[0]
+    assert got["staged"] > 1
+    assert got["waits"] == ACCUM * STEPS, "one host wait per backward, not one per chunk"
+    # per step: the readers' event, then one upload per staged chunk
+    assert got["uploads"] == STEPS * (1 + got["staged"])
+    # the same arithmetic as the direct path, in the same order: bit for bit
+    assert got["run"]["losses"] == got["plain"]["losses"]
+    assert all(torch.equal(got["run"]["state"][k], v) for k, v in got["plain"]["state"].items())
 
 
 # ---------------------------------------------------------------------- agreement across ranks

@@ -115,6 +115,12 @@ class Chunk:
         return self.full is self.shard
 
     @property
+    def uploads_from_staging(self) -> bool:
+        """The optimizer updates this shard in host memory and it lives on the device: each
+        update goes up through the staging buffer on the copy stream (CUDA only)."""
+        return self.staging is not None and self.copy_stream is not None and self.shard.device == self.device
+
+    @property
     def direct_grads(self) -> bool:
         """Gradients can be added straight into ``grad_shard``: one rank (nothing to
         reduce) and the gradient shard on the compute device."""

@@ -296,7 +296,7 @@ class ElixirOptimizer(Optimizer):
         for chunk, state in zip(self.module.chunks, self.flat_state):
             # a staged chunk (host optimizer, CUDA device) is updated on its own, so its
             # upload overlaps the update of the next one
-            key_chunk = chunk.index if chunk.staging is not None else -1
+            key_chunk = chunk.index if chunk.uploads_from_staging else -1
             for slot, begin, end, _ in chunk.local_slices():
                 if not active[slot.index] or slot.index not in self.group_of_slot:
                     continue
@@ -316,7 +316,7 @@ class ElixirOptimizer(Optimizer):
             if key[0] >= 0 and last_of_chunk:
                 self._publish(self.module.chunks[key[0]], readers_done)
         for chunk in self.module.chunks:
-            if chunk.staging is None or chunk.shard.device.type == "cpu":
+            if not chunk.uploads_from_staging:
                 self._publish(chunk, readers_done)
         self.module.prefetch_next_pass()
         self.module.reducer.clear_seen()
@@ -328,7 +328,7 @@ class ElixirOptimizer(Optimizer):
         """Make the compute-dtype shard match the updated master."""
         if chunk.master_aliased:
             return
-        if chunk.staging is not None and chunk.shard.device.type == "cuda":
+        if chunk.uploads_from_staging:
             # cast on the host into pinned memory: the compute dtype crosses PCIe, not fp32
             chunk.fence_host()  # the staging buffer's last upload has finished reading it
             chunk.staging.copy_(chunk.master)
