@@ -241,12 +241,11 @@ def summary_lines(results: dict) -> list[str]:
 
 
 def environment() -> dict:
+    """Versions; the GPU's name comes from the smoke job (querying it here would create a
+    CUDA context in this process, holding device memory for the whole run)."""
     import torch
 
     env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
-    if torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name(0)
-        env["gpu_memory_bytes"] = torch.cuda.get_device_properties(0).total_memory
     for package in ("transformers", "accelerate", "deepspeed"):
         try:
             from importlib.metadata import version
@@ -279,6 +278,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
         runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run)
         results["smoke"] = section_smoke(runner, settings)
+        for key in ("gpu", "gpu_memory_bytes"):
+            results["environment"][key] = results["smoke"]["direct"].get(key)
         if results["smoke"]["status"] == "ok":
             results["offload_24g"] = section_offload(runner, settings)
             results["mfu"] = section_mfu(runner, settings)

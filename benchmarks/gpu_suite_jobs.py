@@ -110,7 +110,11 @@ def blocks_of(model: nn.Module) -> nn.ModuleList:
 
 
 def enable_checkpointing(model: nn.Module) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    """The baselines checkpoint activations the way hf_elixir's plan does (the model's own
+    switch, non-reentrant)."""
+    from hf_elixir.runtime.module import _enable_activation_checkpointing
+
+    _enable_activation_checkpointing(model)
 
 
 def free_port() -> int:
@@ -361,8 +365,12 @@ def run_smoke(job: dict) -> dict:
         dist.destroy_process_group()
     else:
         out_backend = None
-    return {"status": "failed" if failures else "ok", "device": str(device), "checked": checked,
-            "failures": failures, "backend": out_backend}
+    out = {"status": "failed" if failures else "ok", "device": str(device), "checked": checked,
+           "failures": failures, "backend": out_backend}
+    if device.type == "cuda":
+        out.update(gpu=torch.cuda.get_device_name(device),
+                   gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
+    return out
 
 
 def main() -> None:
