@@ -197,6 +197,7 @@ def _staged_offload(rank: int, world_size: int) -> dict:
     # bf16: on the CPU an fp32 master would be the shard itself (nothing to upload)
     plan = dict(case_plans("llama")["c_half_optim_cpu"], compute_dtype="bf16")
     plain = elixir_run(rank, world_size, "llama", plan)
+    plain_late = elixir_run(rank, world_size, "llama", plan, on_wrap="late_on_rank_0")
     stream = _FakeStream()
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.stream = lambda s: contextlib.nullcontext()
@@ -210,7 +211,10 @@ def _staged_offload(rank: int, world_size: int) -> dict:
 
     module_mod.ElixirModule._host_buffers = staging_buffers
     got = elixir_run(rank, world_size, "llama", plan)
-    return {"run": got, "plain": plain, "waits": stream.synchronized, "uploads": _FakeEvent.recorded,
+    waits, uploads = stream.synchronized, _FakeEvent.recorded
+    # a late (staged) chunk comes down a second time: its first download is added in first
+    late = elixir_run(rank, world_size, "llama", plan, on_wrap="late_on_rank_0")
+    return {"run": got, "plain": plain, "late": late, "plain_late": plain_late, "waits": waits, "uploads": uploads,
             "staged": sum(c.optim_placement == "cpu" for c in hfe.ElixirPlan.simple(
                 make_model("llama"), world_size, **plan).chunks)}
 
@@ -224,8 +228,10 @@ def test_offloaded_state_goes_through_staging_with_one_wait_per_backward() -> No
     # per step: the readers' event, then one upload per staged chunk
     assert got["uploads"] == STEPS * (1 + got["staged"])
     # the same arithmetic as the direct path, in the same order: bit for bit
-    assert got["run"]["losses"] == got["plain"]["losses"]
-    assert all(torch.equal(got["run"]["state"][k], v) for k, v in got["plain"]["state"].items())
+    for staged, plain in ((got["run"], got["plain"]), (got["late"], got["plain_late"])):
+        assert staged["losses"] == plain["losses"]
+        assert all(torch.equal(staged["state"][k], v) for k, v in plain["state"].items())
+    assert got["late"]["forced_late"] and all(got["late"]["forced_late"])
 
 
 # ---------------------------------------------------------------------- agreement across ranks
