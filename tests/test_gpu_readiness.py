@@ -234,6 +234,41 @@ def test_offloaded_state_goes_through_staging_with_one_wait_per_backward() -> No
     assert got["late"]["forced_late"] and all(got["late"]["forced_late"])
 
 
+def _host_gathers(rank: int, world_size: int) -> dict:
+    """Offloaded parameters as a CUDA device gathers them: the host shard goes up on the copy
+    stream (into the block at world size 1, into a device copy then the gather otherwise).
+    The compute device is ``cpu:0``, which differs from the host shards' ``cpu``, so the
+    runtime takes that path; the CUDA stream API is replaced by stand-ins."""
+    import contextlib
+
+    os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"
+    stream = _FakeStream()
+    torch.cuda.current_stream = lambda device=None: stream
+    torch.cuda.stream = lambda s: contextlib.nullcontext()
+    torch.cuda.Event = _FakeEvent
+
+    def host_buffers(self, layout):
+        self.copy_stream = stream
+        W = self.comm.world_size
+        chunks = list(enumerate(self.plan.chunks))
+        return ({i: torch.empty(layout[i][0] // W, dtype=self.dtype) for i, c in chunks if c.param_placement == "cpu"},
+                {i: torch.empty(layout[i][0] // W, dtype=self.dtype) for i, c in chunks if c.optim_placement == "cpu"})
+
+    module_mod.ElixirModule._host_buffers = host_buffers
+    got = elixir_run(rank, world_size, "gpt2", case_plans("gpt2")["d_all_cpu"], device="cpu:0")
+    return dict(got, host_reads=_FakeEvent.recorded)
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offloaded_parameters_are_gathered_from_the_host_on_the_copy_stream(world_size: int) -> None:
+    from equivalence import STEPS
+
+    got = run_distributed(_host_gathers, world_size)[0]
+    gathers = got["memory"]["cache_stats"]["gathers"]
+    assert gathers > 0 and got["host_reads"] == gathers + STEPS  # + each step's readers' event
+    assert_matches(reference_run("gpt2"), got, label=f"host gathers W{world_size}")
+
+
 # ---------------------------------------------------------------------- agreement across ranks
 def _late_on_rank_0(rank: int, world_size: int) -> dict:
     return elixir_run(rank, world_size, "gpt2", dict(chunk_size=4096), on_wrap="late_on_rank_0")
