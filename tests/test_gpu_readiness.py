@@ -186,30 +186,41 @@ class _FakeStream:
         return event
 
 
-def _staged_offload(rank: int, world_size: int) -> dict:
-    """The path a CUDA device takes for chunks whose optimizer runs on the host, with the
-    CUDA stream API replaced by stand-ins: reduced shards go down into staging buffers, the
-    host waits once per backward and adds them in; updated shards are cast into the staging
-    buffer and go up on the copy stream, chunk by chunk."""
+def _use_stand_in_streams() -> _FakeStream:
+    """In a worker process: the CUDA stream API becomes stand-ins, and wrapped models get a
+    copy stream and the host buffers a CUDA device would (plain host tensors here)."""
     import contextlib
 
-    os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"  # NCCL's reduce-scatter into a device scratch
-    # bf16: on the CPU an fp32 master would be the shard itself (nothing to upload)
-    plan = dict(case_plans("llama")["c_half_optim_cpu"], compute_dtype="bf16")
-    plain = elixir_run(rank, world_size, "llama", plan)
-    plain_late = elixir_run(rank, world_size, "llama", plan, on_wrap="late_on_rank_0")
     stream = _FakeStream()
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.stream = lambda s: contextlib.nullcontext()
     torch.cuda.Event = _FakeEvent
 
-    def staging_buffers(self, layout):
+    def host_buffers(self, layout):
         self.copy_stream = stream
         W = self.comm.world_size
-        return {}, {i: torch.empty(layout[i][0] // W, dtype=self.dtype)
-                    for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu"}
 
-    module_mod.ElixirModule._host_buffers = staging_buffers
+        def pool(kind: str) -> dict:
+            return {i: torch.empty(layout[i][0] // W, dtype=self.dtype)
+                    for i, c in enumerate(self.plan.chunks) if getattr(c, kind) == "cpu"}
+
+        return pool("param_placement"), pool("optim_placement")
+
+    module_mod.ElixirModule._host_buffers = host_buffers
+    return stream
+
+
+def _staged_offload(rank: int, world_size: int) -> dict:
+    """The path a CUDA device takes for chunks whose optimizer runs on the host, with the
+    CUDA stream API replaced by stand-ins: reduced shards go down into staging buffers, the
+    host waits once per backward and adds them in; updated shards are cast into the staging
+    buffer and go up on the copy stream, chunk by chunk."""
+    os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"  # NCCL's reduce-scatter into a device scratch
+    # bf16: on the CPU an fp32 master would be the shard itself (nothing to upload)
+    plan = dict(case_plans("llama")["c_half_optim_cpu"], compute_dtype="bf16")
+    plain = elixir_run(rank, world_size, "llama", plan)
+    plain_late = elixir_run(rank, world_size, "llama", plan, on_wrap="late_on_rank_0")
+    stream = _use_stand_in_streams()
     got = elixir_run(rank, world_size, "llama", plan)
     waits, uploads = stream.synchronized, _FakeEvent.recorded
     # a late (staged) chunk comes down a second time: its first download is added in first
@@ -239,22 +250,8 @@ def _host_gathers(rank: int, world_size: int) -> dict:
     stream (into the block at world size 1, into a device copy then the gather otherwise).
     The compute device is ``cpu:0``, which differs from the host shards' ``cpu``, so the
     runtime takes that path; the CUDA stream API is replaced by stand-ins."""
-    import contextlib
-
     os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"
-    stream = _FakeStream()
-    torch.cuda.current_stream = lambda device=None: stream
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    torch.cuda.Event = _FakeEvent
-
-    def host_buffers(self, layout):
-        self.copy_stream = stream
-        W = self.comm.world_size
-        chunks = list(enumerate(self.plan.chunks))
-        return ({i: torch.empty(layout[i][0] // W, dtype=self.dtype) for i, c in chunks if c.param_placement == "cpu"},
-                {i: torch.empty(layout[i][0] // W, dtype=self.dtype) for i, c in chunks if c.optim_placement == "cpu"})
-
-    module_mod.ElixirModule._host_buffers = host_buffers
+    _use_stand_in_streams()
     got = elixir_run(rank, world_size, "gpt2", case_plans("gpt2")["d_all_cpu"], device="cpu:0")
     return dict(got, host_reads=_FakeEvent.recorded)
 
