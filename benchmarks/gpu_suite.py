@@ -86,6 +86,8 @@ class Runner:
                         PYTHONWARNINGS="ignore")
         if dry_run:  # CI shares few cores; tiny models gain nothing from threads
             self.env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        else:  # every system alike: a capped allocator should not fail on fragmentation
+            self.env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.count = 0
 
     def remaining(self) -> float:
@@ -275,24 +277,30 @@ def main(argv: Optional[list[str]] = None) -> int:
     results: dict[str, Any] = {"mode": "dry-run (CPU, tiny models: no figure here is a GPU measurement)"
                                if args.dry_run else "gpu", "environment": environment(),
                                "settings": {k: v for k, v in settings.items() if k != "timeouts"}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section: a run cut short keeps what it measured
+        results["wall_s"] = time.monotonic() - start
+        out.write_text(json.dumps(results, indent=1, default=str))
+
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
         runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run)
+        results["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = runner.env.get("PYTORCH_CUDA_ALLOC_CONF")
         results["smoke"] = section_smoke(runner, settings)
         for key in ("gpu", "gpu_memory_bytes"):
             results["environment"][key] = results["smoke"]["direct"].get(key)
+        save()
         if results["smoke"]["status"] == "ok":
-            results["offload_24g"] = section_offload(runner, settings)
-            results["mfu"] = section_mfu(runner, settings)
-            results["scale"] = section_scale(runner, settings)
+            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu), ("scale", section_scale)):
+                results[name] = section(runner, settings)
+                save()
         else:
             skipped = {"status": "skipped", "error": "the smoke test failed"}
             results["offload_24g"] = {k: skipped for k in ("hf_elixir", "fsdp2_offload", "deepspeed_offload")}
             results["mfu"] = {k: skipped for k in ("hf_elixir", "fsdp2")}
             results["scale"] = {"largest": None, "tried": []}
     results["fidelity"] = fidelity(results)
-    results["wall_s"] = time.monotonic() - start
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1, default=str))
+    save()
     print("\n".join(summary_lines(results)))
     print(f"wrote {out}")
     jobs = [r for sec in ("offload_24g", "mfu") for r in results[sec].values()] + results["scale"]["tried"]
