@@ -1,9 +1,10 @@
 """Issue 10: the CUDA/NCCL code paths, exercised as far as a CPU allows.
 
-Each test stands for one point of the issue's Correctness list: inputs moved to the compute
-device, the device chosen explicitly, the backend chosen by the device, the collective
-names of older torch releases, agreement on late chunks, 16-byte offsets, world size 1
-gathered in place, one host sync per device, and the torch floor in setup.cfg.
+Each test stands for one point of the issue: inputs moved to the compute device, the device
+chosen explicitly, the backend chosen by the device, the collective names of older torch
+releases, the offload paths a CUDA device takes (run here with stand-ins for the stream
+API), agreement across ranks on late chunks and on the recorded trace, 16-byte offsets,
+world size 1 gathered in place, one host sync per device, and the torch floor in setup.cfg.
 """
 
 from __future__ import annotations
@@ -440,9 +441,9 @@ def test_the_torch_floor_covers_every_api_the_runtime_uses() -> None:
 
 
 def test_adamw_runs_without_adams_decoupled_weight_decay_argument(monkeypatch) -> None:
-    """torch.optim.adam.adam(decoupled_weight_decay=...) only exists from torch 2.7; below
-    the floor's 2.7 the runtime must not pass it. The functional kernels are replaced by ones
-    with the older signature."""
+    """torch.optim.adam.adam(decoupled_weight_decay=...) only exists from torch 2.7 and the
+    package accepts 2.4, so the runtime must not pass it. The functional kernels are replaced
+    by ones with the older signature."""
     from hf_elixir.runtime import optim as optim_mod
 
     def older(fn):
