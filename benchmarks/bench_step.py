@@ -65,6 +65,20 @@ def plain_step(model, opt):
     return step
 
 
+def elixir_step(em, opt):
+    """One step of training through hf_elixir (its module and optimizer)."""
+
+    def step(ids):
+        loss = em(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    return step
+
+
 def setup_ddp(model):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -93,14 +107,7 @@ def setup_elixir(model, **plan_kwargs):
                                  **plan_kwargs)
     em = hfe.ElixirModule(model, plan)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
-
-    def step(ids):
-        loss = em(input_ids=ids, labels=ids).loss
-        opt.backward(loss)
-        opt.clip_grad_norm_(1.0)
-        opt.step()
-        opt.zero_grad()
-        return loss
+    step = elixir_step(em, opt)
 
     def info():
         rep = em.memory_report()

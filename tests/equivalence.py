@@ -54,18 +54,58 @@ def skip_second_layer_on_odd_steps(model, step: int) -> None:
     model.skip_layers = {1} if step % 2 else set()
 
 
+def late_gradient_on_rank_0(emodel, rank: int) -> None:
+    """Force a *late* chunk on rank 0 only: once the embedding's output gradient is computed
+    (near the end of backward, after the last chunk went), hand that chunk a zero gradient
+    for its first parameter. Zeros leave the result unchanged; only the collectives differ."""
+    if rank != 0:
+        return
+    model = emodel.module
+    top = emodel.chunks[-1]
+    emodel.forced_late = []
+
+    def on_embedding_grad(grad):
+        emodel.forced_late.append(top.reduced)  # True: the chunk had already gone
+        slot = top.slots[0]
+        emodel.reducer.on_grad(top, slot, torch.zeros(slot.shape, dtype=top.dtype))
+        return grad
+
+    def hook(module, args, output):
+        if output.requires_grad:
+            output.register_hook(on_embedding_grad)
+
+    model.get_input_embeddings().register_forward_hook(hook)
+
+
+def extra_request_on_rank_0(emodel, rank: int) -> None:
+    """In the first (recorded) pass only, rank 0 calls one block's first layer norm once
+    more (a cache hit, so no collective): its recorded chunk order differs from rank 1's."""
+    if rank != 0:
+        return
+    blocks = emodel.module.transformer.h
+    fired = []
+
+    def hook(module, args, output):
+        if not fired:
+            fired.append(True)
+            blocks[0].ln_1(output[0])
+
+    blocks[1].register_forward_hook(hook)
+
+
 PREPARE = {"freeze_wpe": freeze_position_embeddings}
 ON_STEP = {"skip_layer": skip_second_layer_on_odd_steps}
+ON_WRAP = {"late_on_rank_0": late_gradient_on_rank_0, "extra_request_on_rank_0": extra_request_on_rank_0}
 
 
 def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt_kind: str = "adamw",
-                  on_step: str | None = None) -> dict:
+                  on_step: str | None = None, device: str = "cpu") -> dict:
     torch.manual_seed(0)
-    model = build(arch)
+    model = build(arch).to(device)
     if prepare:
         PREPARE[prepare](model)
     opt, sched = make_optimizer(model, opt_kind)
-    ids = make_batch(GLOBAL_BATCH, SEQ)
+    ids = make_batch(GLOBAL_BATCH, SEQ).to(device)
     losses = []
     for step in range(steps):
         if on_step:
@@ -77,14 +117,16 @@ def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt
         sched.step()
         opt.zero_grad(set_to_none=True)
         losses.append(loss.item())
-    return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
+    return {"losses": losses, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
 def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None = None, steps: int = STEPS,
                prepare: str | None = None, opt_kind: str = "adamw", on_step: str | None = None,
-               plan_json: str | None = None) -> dict:
+               plan_json: str | None = None, on_wrap: str | None = None, device: str | None = None) -> dict:
     """One rank of the hf_elixir side, with ``ElixirPlan.simple(**plan_kwargs)`` or the plan
-    in ``plan_json``. Returns losses, final full state and memory report."""
+    in ``plan_json``, computing on ``device`` (default: the wrapper's choice); the batch
+    stays on the host (the wrapper moves it). Returns losses, final full state and memory
+    report."""
     import torch.distributed as dist
 
     import hf_elixir as hfe
@@ -98,7 +140,9 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
         plan = hfe.ElixirPlan.from_json(plan_json)
     else:
         plan = hfe.ElixirPlan.simple(model, world_size, **(plan_kwargs or {}))
-    emodel = hfe.ElixirModule(model, plan)
+    emodel = hfe.ElixirModule(model, plan, device=device)
+    if on_wrap:
+        ON_WRAP[on_wrap](emodel, rank)
     eopt = hfe.ElixirOptimizer(emodel, opt)
     ids = make_batch(GLOBAL_BATCH, SEQ)
     micro = GLOBAL_BATCH // ACCUM
@@ -112,7 +156,7 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
             rows = ids[m * micro + rank * per_rank : m * micro + (rank + 1) * per_rank]
             loss = loss_of(emodel, rows) / ACCUM
             eopt.backward(loss)
-            total += loss.detach()
+            total += loss.detach().cpu()
         eopt.clip_grad_norm_(1.0)
         eopt.step()
         sched.step()
@@ -122,7 +166,8 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
         losses.append(total.item() / world_size)
     state = emodel.state_dict()
     return {"losses": losses, "state": state if rank == 0 else None,
-            "memory": emodel.memory_report(), "n_chunks": plan.n_chunks}
+            "memory": emodel.memory_report(), "n_chunks": plan.n_chunks,
+            "forced_late": getattr(emodel, "forced_late", [])}
 
 
 def assert_matches(ref: dict, got: dict, rtol: float = 1e-5, atol: float = 3e-8, label: str = "") -> None:

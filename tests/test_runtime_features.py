@@ -329,16 +329,23 @@ def test_plan_made_for_a_different_model() -> None:
         hfe.ElixirModule(wider, plan)
 
 
-def test_rcache_too_small_says_what_to_change() -> None:
+def _rcache_too_small(rank: int, world_size: int) -> str:
     from hf_elixir.runtime.fetch import RCacheTooSmall
 
     from tiny_models import make_dynamic_moe
 
     model = make_dynamic_moe()  # each MoE layer is one fetch unit spanning 3 chunks of 4096
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096, rcache_blocks=2))
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096, rcache_blocks=2))
     ids = make_batch(2, 8)
-    with pytest.raises(RCacheTooSmall, match="more rcache_blocks"):
+    with pytest.raises(RCacheTooSmall) as err:
         em(input_ids=ids, labels=ids)
+    return str(err.value)
+
+
+def test_rcache_too_small_says_what_to_change() -> None:
+    # two ranks: at world size 1 chunks are gathered in place and need no rCache block
+    for message in run_distributed(_rcache_too_small, 2):
+        assert "more rcache_blocks" in message
 
 
 def test_plan_json_round_trip() -> None:

@@ -6,6 +6,10 @@ the victim is the unpinned chunk whose next use lies furthest ahead, which is op
 known sequence. When a request differs from the trace (dynamic control flow, generation,
 evaluation) the rest of that pass evicts the least recently used chunk instead. Leaving
 the trace is never an error.
+
+Prefetches are collectives, so every rank must follow the same trace. The recorded trace is
+compared across ranks once, when recording ends (``agree``: one small all-reduce); if any
+rank recorded a different order, every rank drops it and the next pass records again.
 """
 
 from __future__ import annotations
@@ -43,13 +47,15 @@ class CacheStats:
     evictions: int = 0
     prefetches: int = 0
     off_trace_passes: int = 0
+    trace_disagreements: int = 0
 
 
 class RCache:
     """Tracks which chunks are gathered and decides which to evict."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, agree: Optional[Callable[[list[int]], bool]] = None) -> None:
         self.capacity = capacity
+        self.agree = agree  # whether every rank recorded this order (collective); None: one rank
         self.resident: set[int] = set()   # chunks holding a block (gathered or stale)
         self.last_used: dict[int, int] = {}
         self.tick = 0
@@ -69,9 +75,16 @@ class RCache:
         self.on_trace = self.trace is not None
 
     def finish_recording(self) -> None:
-        if self.recording:
-            self.trace = ChunkTrace(self.recording)
-        self.recording = None
+        """Adopt the recorded order as the trace, if every rank recorded the same one. Every
+        rank records the same passes, so every rank reaches the agreement together."""
+        recording, self.recording = self.recording, None
+        if recording is None:
+            return
+        if self.agree is not None and not self.agree(recording):
+            self.stats.trace_disagreements += 1
+            return
+        if recording:
+            self.trace = ChunkTrace(recording)
 
     def note_request(self, cid: int) -> None:
         """Advance the trace cursor for a live request (or record it)."""

@@ -9,6 +9,17 @@ chunk is re-gathered into the same storage before its backward, the saved views 
 right values. A shared pool would hand that storage to another chunk in between. The
 rCache bounds how many chunks are gathered at once, so the device still holds at most
 ``rcache_blocks`` gathered chunks (see cache.py).
+
+At world size 1 a chunk whose shard lives on the compute device is gathered *in place*:
+``full`` is the shard itself, so there is no second copy of the parameters, no block to
+allocate and nothing to copy when it is "gathered".
+
+On a CUDA device, host<->device traffic never blocks the host per chunk. Host shards
+(offloaded parameters) are uploaded on a copy stream that overlaps compute; shards the
+optimizer updates in host memory are cast to the compute dtype into a pinned staging
+buffer and uploaded the same way. CUDA events fence every asynchronous copy: the device
+waits for an upload before it reads the uploaded shard, and the host waits for a copy
+that reads (or writes) host memory before it overwrites (or reads) that memory.
 """
 
 from __future__ import annotations
@@ -51,7 +62,7 @@ class Slot:
         return begin - shard_begin, end - shard_begin, begin - self.offset
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-by-field tensor comparison
 class Chunk:
     index: int
     size: int                      # elements: the contents rounded up to a multiple of W
@@ -73,6 +84,14 @@ class Chunk:
     grad_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
     grads_received: set = field(default_factory=set, repr=False)
     reduced: bool = False
+    # CUDA only (None on CPU): the side stream for uploads, the pinned compute-dtype buffer
+    # through which a host-updated shard goes up and its reduced gradient comes down, and the
+    # events of the latest upload (device shard or block written) and host read
+    copy_stream: Optional[torch.cuda.Stream] = field(default=None, repr=False)
+    staging: Optional[torch.Tensor] = field(default=None, repr=False)
+    upload_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    host_read_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
+    _upload_tmp: Optional[torch.Tensor] = field(default=None, repr=False)
 
     @property
     def shard_size(self) -> int:
@@ -90,6 +109,23 @@ class Chunk:
     def master_aliased(self) -> bool:
         return self.master is self.shard
 
+    @property
+    def in_place(self) -> bool:
+        """Gathered in place: ``full`` is the shard (world size 1, shard on the device)."""
+        return self.full is self.shard
+
+    @property
+    def uploads_from_staging(self) -> bool:
+        """The optimizer updates this shard in host memory and it lives on the device: each
+        update goes up through the staging buffer on the copy stream (CUDA only)."""
+        return self.staging is not None and self.copy_stream is not None and self.shard.device == self.device
+
+    @property
+    def direct_grads(self) -> bool:
+        """Gradients can be added straight into ``grad_shard``: one rank (nothing to
+        reduce) and the gradient shard on the compute device."""
+        return not self.comm.distributed and self.grad_shard.device == self.device
+
     def local_slices(self):
         """Yield (slot, shard_begin, shard_end, param_begin) for parameters in this shard."""
         for slot in self.slots:
@@ -99,7 +135,7 @@ class Chunk:
 
     # ------------------------------------------------------------------ gather / release
     def take_block(self) -> None:
-        assert not self.has_block
+        assert not self.has_block and not self.in_place
         self.full.untyped_storage().resize_(self.full_bytes)
         self.has_block = True
 
@@ -109,19 +145,69 @@ class Chunk:
         self.has_block = False
 
     def start_gather(self, async_op: bool) -> None:
-        assert self.state is ChunkState.RELEASED and self.has_block
-        shard = self.shard
-        if shard.device != self.device:
-            shard = shard.to(self.device, non_blocking=True)
-        self.work = self.comm.all_gather(self.full, shard, async_op=async_op)
+        assert self.state is ChunkState.RELEASED and (self.has_block or self.in_place)
+        if self.in_place:  # nothing to move; only a pending upload to wait for
+            self.wait_upload()
+            self.work = Work()
+        elif self.shard.device != self.device and self.copy_stream is not None:
+            self.work = self._gather_from_host()
+        else:
+            self.wait_upload()
+            self.work = self.comm.all_gather(self.full, self.shard, async_op=async_op)
         self.state = ChunkState.GATHERING
+
+    def _gather_from_host(self) -> Work:
+        """Offloaded parameters on CUDA: upload the pinned host shard on the copy stream and
+        gather from there. The compute stream waits only when the chunk is needed
+        (``finish_gather``), so the upload overlaps the compute queued in between."""
+        current = torch.cuda.current_stream(self.device)
+        stream = self.copy_stream
+        stream.wait_stream(current)  # the stale block may still be read by queued kernels
+        with torch.cuda.stream(stream):
+            if self.comm.distributed:
+                self._upload_tmp = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
+                self._upload_tmp.copy_(self.shard, non_blocking=True)
+                self.host_read_event = _record(stream)
+                # issued under the copy stream: NCCL waits for the upload, not for compute.
+                # Always asynchronous: a synchronous call would make the copy stream wait,
+                # while finish_gather must make the compute stream wait
+                return self.comm.all_gather(self.full, self._upload_tmp, async_op=True)
+            self.full.copy_(self.shard, non_blocking=True)
+            self.host_read_event = _record(stream)
+        return Work(_StreamWait(self.host_read_event, self.device))
 
     def finish_gather(self) -> None:
         assert self.state is ChunkState.GATHERING
         self.work.wait()
+        self._upload_tmp = None  # the compute stream now waits for the gather that read it
         for slot in self.slots:
             slot.param.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
         self.state = ChunkState.GATHERED
+
+    # ------------------------------------------------------------------ host <-> device fences
+    def wait_upload(self) -> None:
+        """Make the current stream wait for the latest upload into the device shard."""
+        if self.upload_event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.upload_event)
+
+    def fence_host(self) -> None:
+        """Block the host until no asynchronous copy reads or writes this chunk's host
+        memory (the host shard, the staging buffer); call before the host writes it."""
+        for event in (self.host_read_event, self.upload_event):
+            if event is not None:
+                event.synchronize()
+
+    def upload_from_staging(self, readers_done: torch.cuda.Event) -> None:
+        """Copy the staging buffer (the updated shard, cast on the host) into the device
+        shard on the copy stream, once ``readers_done`` (recorded on the compute stream
+        after the last gather that read the old shard) has passed. Gathers wait for the
+        upload on the device (``wait_upload``), the host before it rewrites the staging
+        buffer (``fence_host``)."""
+        stream = self.copy_stream
+        stream.wait_event(readers_done)
+        with torch.cuda.stream(stream):
+            self.shard.copy_(self.staging, non_blocking=True)
+            self.upload_event = _record(stream)
 
     def release(self, placeholder: torch.Tensor) -> None:
         """Parameters become empty tensors until the next gather. The block stays allocated
@@ -143,9 +229,11 @@ class Chunk:
 
     def zero_missing_grads(self) -> None:
         """The buffer starts uninitialised (zeroing all of it would cost a full pass):
-        zero what no gradient was written to, the padding included."""
+        zero what no gradient was written to, the alignment gaps and the tail included."""
         end = 0
-        for slot in self.slots:
+        for slot in self.slots:  # in offset order
+            if slot.offset > end:
+                self.grad_buffer[end : slot.offset].zero_()
             if slot.index not in self.grads_received:
                 self.grad_buffer[slot.offset : slot.offset + slot.numel].zero_()
             end = slot.offset + slot.numel
@@ -154,3 +242,19 @@ class Chunk:
     @property
     def grads_complete(self) -> bool:
         return len(self.grads_received) == len(self.slots)
+
+
+def _record(stream: torch.cuda.Stream) -> torch.cuda.Event:
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+class _StreamWait:
+    """A Work handle whose wait makes the current stream wait for an event (no host sync)."""
+
+    def __init__(self, event: torch.cuda.Event, device: torch.device) -> None:
+        self.event, self.device = event, device
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)

@@ -5,11 +5,24 @@ reduce-scatters and the small all-reduces of the optimizer step. Gathers are iss
 (rank-identical) fetch order and reduce-scatters in the (rank-identical) descending chunk
 order, but how the two sequences interleave depends on when each rank's autograd engine
 reaches a hook; separate groups make each sequence match on its own.
+
+The backend follows the compute device, not the group's backend name: CUDA tensors go over
+NCCL and host tensors over gloo. When the group the caller gives cannot carry the device's
+tensors (``device="cpu"`` on a GPU machine whose default group is NCCL), a group of the
+right backend over the same ranks is made once, at wrap time. Callers move host tensors
+(offloaded shards) to the device before a collective, so a host shard and a device shard
+never meet in one call.
+
+The tensor collectives changed names in torch 2.13 (``all_gather_single``,
+``reduce_scatter_single``); older releases only have ``all_gather_into_tensor`` and
+``reduce_scatter_tensor``. Both are looked up when the groups are made, so every torch the
+package accepts runs the same code.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -52,6 +65,41 @@ def _accumulate(target: torch.Tensor, source: torch.Tensor, scale: float) -> Non
     target.add_(source, alpha=scale)
 
 
+#: ``HF_ELIXIR_COLLECTIVES=tensor`` makes gloo run the tensor collectives NCCL runs (slower
+#: on gloo, see Collectives.host_strategy) so CPU tests exercise the GPU code path.
+COLLECTIVES_ENV = "HF_ELIXIR_COLLECTIVES"
+
+
+def collective_function(new: str, old: str) -> Callable:
+    """``torch.distributed.<new>`` where this torch has it, else ``<old>`` (same signature)."""
+    fn = getattr(dist, new, None)
+    if fn is None:
+        fn = getattr(dist, old, None)
+    if fn is None:
+        raise RuntimeError(
+            f"torch {torch.__version__} has neither torch.distributed.{new} nor {old}; "
+            "install a torch between 2.4 and 2.14"
+        )
+    return fn
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend that carries tensors of ``device``."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def group_carries(backend: str, device: torch.device) -> bool:
+    """Whether a group whose ``dist.get_backend`` is ``backend`` (``"nccl"``, ``"gloo"``, or a
+    per-device map such as ``"cpu:gloo,cuda:nccl"``) can run collectives on ``device``'s tensors."""
+    want = backend_for(device)
+    parts = [p.strip() for p in backend.lower().split(",")]
+    for part in parts:
+        dev, _, name = part.rpartition(":")
+        if name == want and (not dev or dev == device.type):
+            return True
+    return False
+
+
 @dataclass
 class Collectives:
     """The process groups the runtime talks over; world size 1 needs no group at all."""
@@ -64,34 +112,59 @@ class Collectives:
     # all-gather 0.062 s, reduce-scatter 0.083 s, all-reduce 0.044 s, one broadcast per
     # rank 0.020 s), so on gloo a gather is W broadcasts and a reduce-scatter an
     # all-reduce; NCCL uses the native collectives.
-    gloo: bool = False  # the groups run gloo (host tensors; see above)
+    gloo: bool = False  # host tensors: broadcasts and all-reduces (see above)
     global_ranks: tuple[int, ...] = ()
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    _gather_fn: Callable = field(default=None, repr=False)
+    _reduce_scatter_fn: Callable = field(default=None, repr=False)
 
     @classmethod
-    def create(cls, process_group: Optional[dist.ProcessGroup] = None) -> "Collectives":
+    def create(cls, process_group: Optional[dist.ProcessGroup] = None,
+               device: Optional[torch.device] = None) -> "Collectives":
+        """Groups for ``device``'s tensors over the ranks of ``process_group`` (default: the
+        default group if one exists). Collective when distributed: call on every rank."""
+        device = torch.device("cpu") if device is None else torch.device(device)
         if process_group is None and dist.is_available() and dist.is_initialized():
             process_group = dist.group.WORLD
         if process_group is None:
-            return cls(rank=0, world_size=1)
+            return cls(rank=0, world_size=1, device=device)
         world_size = dist.get_world_size(process_group)
         rank = dist.get_rank(process_group)
         if world_size == 1:
-            return cls(rank=rank, world_size=1, gather_group=process_group, reduce_group=process_group)
+            return cls(rank=rank, world_size=1, gather_group=process_group, reduce_group=process_group,
+                       device=device)
         ranks = dist.get_process_group_ranks(process_group)
-        reduce_group = dist.new_group(ranks, use_local_synchronization=True)
-        gloo = dist.get_backend(process_group) == "gloo"
+        backend = backend_for(device)
+        if not group_carries(str(dist.get_backend(process_group)), device):
+            # e.g. device="cpu" under an NCCL default group: same ranks, the device's backend
+            process_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        reduce_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+        host = backend == "gloo" and os.environ.get(COLLECTIVES_ENV, "auto") != "tensor"
         return cls(rank=rank, world_size=world_size, gather_group=process_group,
-                   reduce_group=reduce_group, gloo=gloo, global_ranks=tuple(ranks))
+                   reduce_group=reduce_group, gloo=host, global_ranks=tuple(ranks), device=device,
+                   _gather_fn=collective_function("all_gather_single", "all_gather_into_tensor"),
+                   _reduce_scatter_fn=collective_function("reduce_scatter_single", "reduce_scatter_tensor"))
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    def _check_device(self, *tensors: torch.Tensor) -> None:
+        """The groups carry ``self.device``'s tensors only; anything else is a runtime bug
+        that NCCL would report as a hang or an illegal memory access."""
+        for t in tensors:
+            if t.device.type != self.device.type:
+                raise RuntimeError(
+                    f"hf_elixir internal error: a {t.device} tensor reached a collective made for "
+                    f"{self.device}; host shards must be copied to the device first"
+                )
 
     def all_gather(self, output: torch.Tensor, shard: torch.Tensor, async_op: bool = False) -> Work:
         """Fill ``output`` (world_size * shard elements) with every rank's shard, in rank order."""
         if not self.distributed:
             output.copy_(shard)
             return Work()
+        self._check_device(output, shard)
         if self.gloo:  # gloo: one broadcast from each rank of its own shard
             n = shard.numel()
             output[self.rank * n : (self.rank + 1) * n].copy_(shard)
@@ -104,7 +177,7 @@ class Collectives:
             if not async_op:
                 work.wait()
             return work
-        return Work(dist.all_gather_single(output, shard, group=self.gather_group, async_op=async_op))
+        return Work(self._gather_fn(output, shard, group=self.gather_group, async_op=async_op))
 
     @property
     def reduce_needs_scratch(self) -> bool:
@@ -122,24 +195,32 @@ class Collectives:
         n = target.numel()
         if not self.distributed:
             return Work(None, then=lambda: _accumulate(target, full[:n], 1.0))
+        self._check_device(full)
         if self.gloo:
             piece = full[self.rank * n : (self.rank + 1) * n]
             handle = dist.all_reduce(full, group=self.reduce_group, async_op=async_op)
             return Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size))
-        handle = dist.reduce_scatter_single(
-            scratch, full, op=dist.ReduceOp.AVG, group=self.reduce_group, async_op=async_op
-        )
-        return Work(handle, then=lambda: _accumulate(target, scratch, 1.0))
+        return self.reduce_scatter_mean(scratch, full, async_op, then=lambda: _accumulate(target, scratch, 1.0))
+
+    def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False,
+                            then: Optional[Callable[[], object]] = None) -> Work:
+        """Write this rank's slice of the mean of ``full`` over ranks into ``out`` (a device
+        tensor of ``full``'s dtype) with the tensor collective; ``then`` runs once it is done."""
+        self._check_device(out, full)
+        handle = self._reduce_scatter_fn(out, full, op=dist.ReduceOp.AVG, group=self.reduce_group,
+                                         async_op=async_op)
+        return Work(handle, then=then)
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """In-place all-reduce of a small tensor (flags, norms), wherever it lives: NCCL
-        reduces only device tensors, so host tensors make a round trip."""
+        reduces only device tensors, so host tensors make a round trip through the compute
+        device (the one the groups were made for, not whatever device happens to be current)."""
         if self.distributed:
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
-            if self.gloo or tensor.device.type != "cpu":
+            if tensor.device.type == self.device.type:
                 dist.all_reduce(tensor, op=red, group=self.reduce_group)
             else:
-                on_device = tensor.to(torch.device("cuda", torch.cuda.current_device()))
+                on_device = tensor.to(self.device)
                 dist.all_reduce(on_device, op=red, group=self.reduce_group)
                 tensor.copy_(on_device)
         return tensor

@@ -53,7 +53,7 @@ class Fetcher:
             self.cache.note_request(cid)
             chunk = self.chunks[cid]
             if chunk.state is ChunkState.RELEASED:
-                if not chunk.has_block:
+                if not chunk.has_block and not chunk.in_place:  # in place: no block needed
                     self._make_room(exclude=cids)
                     self._take_block(chunk)
                 self._gather(chunk, async_op=False)
@@ -71,14 +71,16 @@ class Fetcher:
             chunk.pins -= 1
 
     def release_all(self) -> None:
-        """Mark every gathered chunk stale (after an optimizer step changed the shards).
-        Their blocks stay allocated for the next gathers."""
+        """Mark every gathered chunk stale (before the shards change: an optimizer step, a
+        load). Their blocks stay allocated for the next gathers. Waits for every copy that
+        reads host shards, so the host may overwrite them when this returns."""
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
             if chunk.state is ChunkState.GATHERED:
                 chunk.pins = 0
                 chunk.release(self.placeholder)
+            chunk.fence_host()
 
     def free_all(self) -> None:
         """Release every chunk and give every rCache block back."""
@@ -137,7 +139,8 @@ class Fetcher:
     def prefetch(self) -> None:
         """Start async gathers for the next chunks of the trace, evicting only chunks whose
         next use comes later than the prefetched one's."""
-        ready = lambda cid: self.chunks[cid].state is not ChunkState.RELEASED  # noqa: E731
+        # an in-place chunk costs nothing to "gather" now: no block, no copy
+        ready = lambda cid: self.chunks[cid].state is not ChunkState.RELEASED or self.chunks[cid].in_place  # noqa: E731
         for cid, pos in self.cache.upcoming(self.prefetch_depth, ready):
             chunk = self.chunks[cid]
             if not chunk.has_block:

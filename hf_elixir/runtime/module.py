@@ -7,10 +7,12 @@ hooks gather each chunk just before a module needs it (see hooks.py).
 
 from __future__ import annotations
 
+import array
 import atexit
 import contextlib
 import os
 import weakref
+import zlib
 from typing import Any, Iterator, Mapping, Optional
 
 import torch
@@ -29,15 +31,77 @@ from hf_elixir.runtime.reduce import GradReducer
 _WRAPPED_ATTR = "_hf_elixir_wrapped"
 
 
-def default_device() -> torch.device:
-    if torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    return torch.device("cpu")
+#: parameter offsets inside a chunk (and shard boundaries) are multiples of this many bytes,
+#: so every parameter view starts where vectorised kernels want it to
+ALIGN_BYTES = 16
 
 
-def _pin(t: torch.Tensor) -> torch.Tensor:
-    """Pinned host memory makes host<->device copies asynchronous; only meaningful with CUDA."""
-    return t.pin_memory() if torch.cuda.is_available() and t.device.type == "cpu" else t
+def resolve_device(device: Optional[torch.device | str] = None) -> torch.device:
+    """The compute device, made current for CUDA.
+
+    Default: ``cuda:LOCAL_RANK`` (the launcher's local rank; the current CUDA device when it
+    is unset), else the CPU. ``"cpu"`` forces the CPU on a GPU machine. A CUDA device
+    becomes the current device, so the collectives, the allocator and the copy stream all
+    use the device this rank owns instead of cuda:0.
+    """
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return device
+        index = device.index
+    elif torch.cuda.is_available():
+        index = None
+    else:
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if index is None:
+        local = os.environ.get("LOCAL_RANK")
+        index = int(local) if local is not None else torch.cuda.current_device()
+        if index >= count and count == 1:
+            index = 0  # one visible device per process (CUDA_VISIBLE_DEVICES set per rank)
+    if not 0 <= index < count:
+        raise RuntimeError(
+            f"this rank should compute on cuda:{index} (LOCAL_RANK={os.environ.get('LOCAL_RANK')}) "
+            f"but {count} CUDA devices are visible; launch at most {count} processes per node, "
+            "or pass device= explicitly"
+        )
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
+
+
+def move_to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` with every tensor in it (nested in tuples, lists and mappings) on ``device``.
+    Host-to-device copies are asynchronous (they are ordered on the compute stream)."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device, non_blocking=True)
+    if isinstance(obj, (list, tuple)):
+        items = [move_to_device(item, device) for item in obj]
+        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    if isinstance(obj, Mapping):
+        moved = {k: move_to_device(v, device) for k, v in obj.items()}
+        if type(obj) is dict:
+            return moved
+        try:
+            return type(obj)(moved)  # BatchEncoding and other dict-likes
+        except Exception:
+            return moved
+    return obj
+
+
+def _aligned(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def _pinned_pool(dtype: torch.dtype, sizes: list[int]) -> list[torch.Tensor]:
+    """Views of one pinned host allocation of exactly ``sum(sizes)`` elements."""
+    pool = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
+    views, start = [], 0
+    for n in sizes:
+        views.append(pool[start : start + n])
+        start += n
+    return views
 
 
 def _enable_activation_checkpointing(model: nn.Module) -> None:
@@ -55,7 +119,9 @@ class ElixirModule(nn.Module):
         model: the model, with real parameters on the CPU (or the compute device).
         plan: an ElixirPlan for this model and this world size.
         process_group: the group to shard over (default: the default group, if any).
-        device: the compute device (default: the local CUDA device, else CPU).
+        device: the compute device (default: ``cuda:LOCAL_RANK`` when CUDA is available,
+            else CPU; ``"cpu"`` forces the CPU). Inputs to forward() and generate() are moved
+            there, as FSDP2 does.
         sync_module_states: start every rank from rank 0's parameters and buffers.
     """
 
@@ -90,8 +156,10 @@ class ElixirModule(nn.Module):
         super().__init__()
         self.module = model
         self.plan = plan
-        self.device = torch.device(device) if device is not None else default_device()
-        self.comm = Collectives.create(process_group)
+        self.device = resolve_device(device)
+        self.comm = Collectives.create(process_group, self.device)
+        # uploads of offloaded shards overlap compute on their own stream
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ledger = MemoryLedger()
         self.dtype = plan.dtype
         self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
@@ -100,7 +168,7 @@ class ElixirModule(nn.Module):
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
         self.slot_by_name = {s.name: s for s in self.slots}
-        self.cache = RCache(plan.rcache_blocks)
+        self.cache = RCache(plan.rcache_blocks, agree=self._same_on_every_rank if self.comm.distributed else None)
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder)
         self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots))
         self.hooks = HookManager(
@@ -139,25 +207,55 @@ class ElixirModule(nn.Module):
                     self.comm.broadcast_from_first(buf)
                 mod._buffers[name] = buf
 
+    def _layout(self) -> list[tuple[int, list[int]]]:
+        """Per chunk: its size and its parameters' offsets. Offsets are ALIGN_BYTES-aligned and
+        the size a multiple of W alignments, so shard boundaries are aligned too. A chunk is
+        as large as its contents (plus alignment), not plan.chunk_size: partly filled chunks
+        waste no memory."""
+        named = dict(self.module.named_parameters())
+        align = max(1, ALIGN_BYTES // self.dtype.itemsize)
+        out = []
+        for cplan in self.plan.chunks:
+            offsets, end = [], 0
+            for name in cplan.params:
+                offsets.append(_aligned(end, align))
+                end = offsets[-1] + named[name].numel()
+            out.append((_aligned(end, align * self.comm.world_size), offsets))
+        return out
+
+    def _host_buffers(self, layout: list[tuple[int, list[int]]]) -> tuple[dict, dict]:
+        """Pinned host memory, only for what crosses PCIe and only with a CUDA device: one
+        pool for offloaded parameter shards (gathered from the host), one for the staging
+        buffers of shards whose optimizer runs on the host (the reduced gradient comes down
+        through it and, for a shard kept on the device, the updated shard goes up). Master weights, gradient shards and
+        optimizer moments that stay on the host are not pinned."""
+        if self.device.type != "cuda":
+            return {}, {}
+        W = self.comm.world_size
+        offloaded = [i for i, c in enumerate(self.plan.chunks) if c.param_placement == "cpu"]
+        staged = [i for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu"]
+        pools = []
+        for ids in (offloaded, staged):
+            views = _pinned_pool(self.dtype, [layout[i][0] // W for i in ids]) if ids else []
+            pools.append(dict(zip(ids, views)))
+        return pools[0], pools[1]
+
     def _build_chunks(self, sync: bool) -> tuple[list[Chunk], list[Slot]]:
         named = dict(self.module.named_parameters())
         W, rank = self.comm.world_size, self.comm.rank
+        layout = self._layout()
+        host_shards, staging = self._host_buffers(layout)
         chunks: list[Chunk] = []
         slots: list[Slot] = []
         self._slot_chunk: list[int] = []
-        for cid, cplan in enumerate(self.plan.chunks):
-            # A chunk is as large as its contents (rounded up so every rank gets an equal
-            # shard), at most plan.chunk_size: partly filled chunks waste no memory.
-            size = -(-sum(named[n].numel() for n in cplan.params) // W) * W
+        for cid, (cplan, (size, offsets)) in enumerate(zip(self.plan.chunks, layout)):
             shard_size = size // W
             flat = torch.zeros(size, dtype=torch.float32)
             chunk_slots: list[Slot] = []
-            offset = 0
-            for name in cplan.params:
+            for name, offset in zip(cplan.params, offsets):
                 p = named[name]
                 slot = Slot(name, p, len(slots), offset, p.numel(), p.shape, p.dtype)
                 flat[offset : offset + p.numel()].copy_(p.data.reshape(-1))
-                offset += p.numel()
                 chunk_slots.append(slot)
                 slots.append(slot)
                 self._slot_chunk.append(cid)
@@ -167,19 +265,26 @@ class ElixirModule(nn.Module):
             local = flat[rank * shard_size : (rank + 1) * shard_size]
             param_dev = self._placement(cplan.param_placement)
             optim_dev = self._placement(cplan.optim_placement)
-            shard = _pin(local.to(param_dev, dtype=self.dtype, copy=True))
+            if cid in host_shards:
+                shard = host_shards[cid]
+                shard.copy_(local)
+            else:
+                shard = local.to(param_dev, dtype=self.dtype, copy=True)
             if self.dtype == torch.float32 and param_dev == optim_dev:
                 master = shard
             else:
-                master = _pin(local.to(optim_dev, dtype=torch.float32, copy=True))
+                master = local.to(optim_dev, dtype=torch.float32, copy=True)
+            in_place = W == 1 and param_dev == self.device
             chunk = Chunk(
                 index=cid, size=size, dtype=self.dtype, device=self.device,
                 param_device=param_dev, optim_device=optim_dev, comm=self.comm, slots=chunk_slots,
                 shard=shard, master=master,
-                grad_shard=_pin(torch.zeros(shard_size, dtype=torch.float32, device=optim_dev)),
-                full=torch.empty(size, dtype=self.dtype, device=self.device),
+                grad_shard=torch.zeros(shard_size, dtype=torch.float32, device=optim_dev),
+                full=shard if in_place else torch.empty(size, dtype=self.dtype, device=self.device),
+                copy_stream=self.copy_stream, staging=staging.get(cid),
             )
-            chunk.full.untyped_storage().resize_(0)
+            if not in_place:
+                chunk.full.untyped_storage().resize_(0)
             for slot in chunk_slots:
                 slot.param.data = self._placeholder
             shard_bytes = shard_size * self.dtype.itemsize
@@ -208,13 +313,24 @@ class ElixirModule(nn.Module):
                 units[mod] = cids
         return units
 
+    def _same_on_every_rank(self, order: list[int]) -> bool:
+        """Whether every rank holds this sequence (length and CRC compared in one all-reduce:
+        the maximum of x and of -x give the largest and the smallest value over ranks)."""
+        key = torch.tensor([len(order), zlib.crc32(array.array("q", order).tobytes())], dtype=torch.int64)
+        both = self.comm.all_reduce(torch.cat([key, -key]), op="max")
+        return bool((both[:2] == -both[2:]).all())
+
     # ------------------------------------------------------------------ running
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The model's forward, with tensor inputs moved to the compute device."""
+        args, kwargs = move_to_device((args, kwargs), self.device)
         return self.module(*args, **kwargs)
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> Any:
-        """The model's own ``generate()``; chunks are fetched as its modules run."""
+        """The model's own ``generate()`` on inputs moved to the compute device; chunks are
+        fetched as its modules run."""
+        args, kwargs = move_to_device((args, kwargs), self.device)
         return self.module.generate(*args, **kwargs)
 
     @contextlib.contextmanager
@@ -256,7 +372,10 @@ class ElixirModule(nn.Module):
     def memory_report(self) -> dict:
         """Bytes the runtime holds on the compute device, now and at peak, by category."""
         report = self.ledger.report()
-        report["rcache_block_bytes"] = self.plan.chunk_size * self.dtype.itemsize
+        # a block is as large as the largest chunk that needs one (alignment may add a few
+        # elements to the plan's chunk_size)
+        report["rcache_block_bytes"] = max(
+            [c.full_bytes for c in self.chunks if not c.in_place] or [self.plan.chunk_size * self.dtype.itemsize])
         report["rcache_blocks"] = self.plan.rcache_blocks
         report["cache_stats"] = dict(vars(self.cache.stats))
         return report

@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as functional_adam
+from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
 
 from hf_elixir.runtime.chunk import Chunk, Slot
@@ -101,9 +102,8 @@ class ElixirOptimizer(Optimizer):
         self._momentum_started: set[int] = set()
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
+        # never pinned: moments on the host stay there (only transferred buffers are pinned)
         t = torch.zeros(chunk.shard_size, dtype=torch.float32, device=chunk.optim_device)
-        if torch.cuda.is_available() and t.device.type == "cpu":
-            t = t.pin_memory()
         if chunk.optim_device == chunk.device and self.module.plan.chunks[chunk.index].optim_placement == "device":
             self.module.ledger.add("optimizer_state", t.numel() * 4)
         return t
@@ -126,12 +126,20 @@ class ElixirOptimizer(Optimizer):
             chunk.grad_shard.mul_(inv)
         self._grads_unscaled = True
 
-    def _found_inf(self) -> bool:
-        flag = torch.zeros(1, dtype=torch.float32)
+    def _by_device(self) -> dict[torch.device, list[torch.Tensor]]:
+        """The non-empty gradient shards, grouped by the device they live on."""
+        out: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         for chunk in self.module.chunks:
-            if not torch.isfinite(chunk.grad_shard).all():
-                flag.fill_(1.0)
-                break
+            if chunk.grad_shard.numel():
+                out[chunk.grad_shard.device].append(chunk.grad_shard)
+        return out
+
+    def _found_inf(self) -> bool:
+        """Whether any rank has an inf/NaN gradient: one host sync per device, one all-reduce."""
+        flag = torch.zeros(1, dtype=torch.float32)
+        for grads in self._by_device().values():
+            bad = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any()
+            flag = torch.maximum(flag, bad.float().cpu().reshape(1))
         return bool(self.module.comm.all_reduce(flag, op="max").item())
 
     @torch.no_grad()
@@ -139,22 +147,24 @@ class ElixirOptimizer(Optimizer):
         """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; one all-reduce."""
         self._unscale()
         norm_type = float(norm_type)
+        by_device = self._by_device()  # one host sync per device, not one per chunk
         if norm_type == math.inf:
             local = torch.zeros(1, dtype=torch.float32)
-            for chunk in self.module.chunks:
-                if chunk.grad_shard.numel():
-                    local = torch.maximum(local, chunk.grad_shard.abs().max().cpu().reshape(1))
+            for grads in by_device.values():
+                peak = torch.stack([g.abs().max() for g in grads]).max()
+                local = torch.maximum(local, peak.float().cpu().reshape(1))
             total = self.module.comm.all_reduce(local, op="max")[0]
         else:
-            by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-            for c in self.module.chunks:  # one host sync per device, not one per chunk
-                by_device[c.grad_shard.device].append(torch.linalg.vector_norm(c.grad_shard, norm_type))
-            local = sum(torch.stack(n).double().pow(norm_type).sum().cpu() for n in by_device.values())
-            local = torch.as_tensor(local, dtype=torch.float64).reshape(1)
+            local = torch.zeros(1, dtype=torch.float64)
+            for grads in by_device.values():
+                norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
+                local += norms.double().pow(norm_type).sum().cpu()
             total = self.module.comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for chunk in self.module.chunks:
-            chunk.grad_shard.mul_(coef.to(chunk.grad_shard.device))
+        for device, grads in by_device.items():
+            scale = coef.to(device)  # one small copy per device
+            for g in grads:
+                g.mul_(scale)
         return total
 
     # ------------------------------------------------------------------ state dicts
@@ -274,39 +284,68 @@ class ElixirOptimizer(Optimizer):
                 self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
                 return loss
         active = self.module.reducer.global_seen()
-        batches: dict[tuple[int, torch.device], dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        # gathered views of the old shards are dropped and every copy reading host shards is
+        # finished before any shard changes
+        self.module.release_all()
+        readers_done = None
+        if self.module.copy_stream is not None:  # uploads may start once this much has run
+            readers_done = torch.cuda.current_stream(self.module.device).record_event()
+        batches: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for chunk, state in zip(self.module.chunks, self.flat_state):
+            # a staged chunk (host optimizer, CUDA device) is updated on its own, so its
+            # upload overlaps the update of the next one
+            key_chunk = chunk.index if chunk.uploads_from_staging else -1
             for slot, begin, end, _ in chunk.local_slices():
                 if not active[slot.index] or slot.index not in self.group_of_slot:
                     continue
-                b = batches[(self.group_of_slot[slot.index], chunk.optim_device)]
+                b = batches[(key_chunk, self.group_of_slot[slot.index], chunk.optim_device)]
                 b["params"].append(chunk.master[begin:end])
                 b["grads"].append(chunk.grad_shard[begin:end])
                 b["steps"].append(self.steps[slot.index])
                 b["slots"].append(slot.index)
                 for name, flat in state.items():
                     b[name].append(flat[begin:end])
-        # device shards first: on a GPU they run asynchronously while the CPU updates its own
-        for (gi, device), b in sorted(batches.items(), key=lambda kv: kv[0][1].type == "cpu"):
-            self._update(self.param_groups[gi], device, b)
+        # device shards first (asynchronous on a GPU, they run while the CPU works), then
+        # the host's, staged chunks in index order (the next forward needs the first first)
+        order = sorted(batches, key=lambda k: (k[2].type == "cpu", k[0]))
+        for i, key in enumerate(order):
+            self._update(self.param_groups[key[1]], key[2], batches[key])
+            last_of_chunk = i + 1 == len(order) or order[i + 1][0] != key[0]
+            if key[0] >= 0 and last_of_chunk:
+                self._publish(self.module.chunks[key[0]], readers_done)
         for chunk in self.module.chunks:
-            if not chunk.master_aliased:
-                # async only host-to-device; a host shard must be final when this returns
-                chunk.shard.copy_(chunk.master, non_blocking=chunk.shard.device.type != "cpu")
-        self.module.release_all()
+            if not chunk.uploads_from_staging:
+                self._publish(chunk, readers_done)
         self.module.prefetch_next_pass()
         self.module.reducer.clear_seen()
         self._grads_unscaled = False
         return loss
 
+    @staticmethod
+    def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event]) -> None:
+        """Make the compute-dtype shard match the updated master."""
+        if chunk.master_aliased:
+            return
+        if chunk.uploads_from_staging:
+            # cast on the host into pinned memory: the compute dtype crosses PCIe, not fp32
+            chunk.fence_host()  # the staging buffer's last upload has finished reading it
+            chunk.staging.copy_(chunk.master)
+            chunk.upload_from_staging(readers_done)
+            return
+        # a host shard is only read by the copies release_all() waited for; a device shard
+        # takes an asynchronous copy, ordered on the compute stream
+        chunk.shard.copy_(chunk.master, non_blocking=chunk.shard.device.type != "cpu")
+
     def _update(self, group: dict, device: torch.device, b: dict[str, list]) -> None:
         fused = _fused_ok(device)
         if self.algorithm in ("adamw", "adam"):
             beta1, beta2 = group["betas"]
-            functional_adam(
+            # functional adamw, not adam(decoupled_weight_decay=True): that argument only
+            # exists from torch 2.7, and the package accepts 2.4
+            update = functional_adamw if self.algorithm == "adamw" else functional_adam
+            update(
                 b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], [], b["steps"],
                 foreach=None if fused else True, fused=fused,
-                decoupled_weight_decay=self.algorithm == "adamw",
                 amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
                 weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False),
             )

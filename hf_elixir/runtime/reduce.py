@@ -6,6 +6,17 @@ higher chunk has gone; what is left at the end of backward (parameters that got 
 gradient on this rank, e.g. experts nobody routed to) goes then, with zeros. Because the
 sequence of chunks is the same on every rank, the collectives line up even when ranks
 run different experts; only the timing differs.
+
+A chunk that receives a gradient after it went (a *late* chunk) is reduce-scattered once
+more at the end of backward. Whether that happens depends on this rank's graph, so the
+ranks first agree on the set of late chunks (one small all-reduce per backward): a rank
+that issued the extra collective alone would hang NCCL.
+
+At world size 1 with the gradient shard on the compute device there is nothing to reduce:
+gradients are added straight into the fp32 shard. With the optimizer state in host memory
+behind a CUDA device, each reduced shard goes down asynchronously (compute dtype) into
+the chunk's pinned staging buffer, and the host waits once, at the end of backward,
+before adding them into the fp32 gradient shards.
 """
 
 from __future__ import annotations
@@ -36,12 +47,17 @@ class GradReducer:
         self.next = len(chunks) - 1          # the next chunk to reduce-scatter
         self.late: set[int] = set()          # chunks that received gradients after going
         self.pending: deque[tuple[Chunk, Optional[torch.Tensor], Work]] = deque()
+        self.downloads: list[Chunk] = []     # staged chunks whose download is in flight
         # which parameters received a gradient since the last optimizer step, on this rank
         self.seen = torch.zeros(n_slots, dtype=torch.uint8)
         self.enabled = True
 
     # ------------------------------------------------------------------ during backward
     def on_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
+        self.seen[slot.index] = 1
+        if chunk.direct_grads:
+            chunk.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+            return
         if chunk.reduced:  # a second gradient for a chunk that already went (rare)
             self.late.add(chunk.index)
             while self.pending:  # its buffer may still be in flight: finish before reuse
@@ -59,7 +75,6 @@ class GradReducer:
                 chunk.grad_buffer = torch.empty(chunk.size, dtype=chunk.dtype, device=chunk.device)
                 self.ledger.add("grad_buffers", chunk.full_bytes)
             chunk.receive_grad(slot, grad)
-        self.seen[slot.index] = 1
         self._flush_ready()
 
     @staticmethod
@@ -73,11 +88,14 @@ class GradReducer:
         )
 
     def _flush_ready(self) -> None:
-        while self.next >= 0 and self.chunks[self.next].grads_complete:
+        while self.next >= 0 and (self.chunks[self.next].grads_complete or self.chunks[self.next].direct_grads):
             self._reduce(self.chunks[self.next])
             self.next -= 1
 
     def _reduce(self, chunk: Chunk) -> None:
+        if chunk.direct_grads:  # already in the shard
+            chunk.reduced = True
+            return
         if chunk.grad_buffer is None:  # nothing arrived on this rank: contribute zeros
             chunk.grad_buffer = torch.empty(chunk.size, dtype=chunk.dtype, device=chunk.device)
             self.ledger.add("grad_buffers", chunk.full_bytes)
@@ -86,15 +104,38 @@ class GradReducer:
         if self.comm.reduce_needs_scratch:
             scratch = torch.empty(chunk.shard_size, dtype=chunk.dtype, device=chunk.device)
             self.ledger.add("grad_buffers", scratch.numel() * scratch.element_size())
-        work = self.comm.reduce_scatter_accumulate(chunk.grad_shard, chunk.grad_buffer, scratch, async_op=True)
+        if chunk.staging is not None:  # reduced on the device, then sent to the host
+            work = self.comm.reduce_scatter_mean(scratch, chunk.grad_buffer, async_op=True) \
+                if self.comm.distributed else Work()
+        else:
+            work = self.comm.reduce_scatter_accumulate(chunk.grad_shard, chunk.grad_buffer, scratch, async_op=True)
         self.pending.append((chunk, scratch, work))
         chunk.reduced = True
         while len(self.pending) > self.max_in_flight:
             self._complete(self.pending.popleft())
 
+    def _download(self, chunk: Chunk, reduced: torch.Tensor) -> None:
+        """Start the device-to-host copy of a reduced shard into the pinned staging buffer."""
+        if chunk in self.downloads:  # its last download is not added in yet (a late chunk)
+            self._drain_downloads()
+        chunk.wait_upload()  # the staging buffer may still be feeding the last upload
+        chunk.staging.copy_(reduced, non_blocking=True)
+        self.downloads.append(chunk)
+
+    def _drain_downloads(self) -> None:
+        """Wait once for every download, then add them into the fp32 gradient shards."""
+        if not self.downloads:
+            return
+        torch.cuda.current_stream(self.downloads[0].device).synchronize()
+        for chunk in self.downloads:
+            chunk.grad_shard.add_(chunk.staging)
+        self.downloads.clear()
+
     def _complete(self, entry: tuple[Chunk, Optional[torch.Tensor], Work]) -> None:
         chunk, scratch, work = entry
-        work.wait()  # also adds the reduced slice into chunk.grad_shard
+        work.wait()  # also adds the reduced slice into chunk.grad_shard (unless staged)
+        if chunk.staging is not None:  # one rank: the buffer's first shard_size elements are the shard
+            self._download(chunk, scratch if scratch is not None else chunk.grad_buffer[: chunk.shard_size])
         if scratch is not None:
             self.ledger.sub("grad_buffers", scratch.numel() * scratch.element_size())
         if chunk.grad_buffer is not None:
@@ -107,20 +148,36 @@ class GradReducer:
         while self.next >= 0:
             self._reduce(self.chunks[self.next])
             self.next -= 1
-        for cid in sorted(self.late, reverse=True):
-            self._reduce(self.chunks[cid])
+        for cid in self.agreed_late():
+            chunk = self.chunks[cid]
+            if cid not in self.late:  # late elsewhere only: this rank contributes zeros
+                chunk.grads_received.clear()
+            self._reduce(chunk)
         while self.pending:
             self._complete(self.pending.popleft())
+        self._drain_downloads()
         for chunk in self.chunks:
             chunk.grads_received.clear()
             chunk.reduced = False
         self.late.clear()
         self.next = len(self.chunks) - 1
 
+    def agreed_late(self) -> list[int]:
+        """The chunks late on any rank, in descending order (every rank gets the same list).
+        Direct-gradient chunks are never late (they have nothing to reduce)."""
+        if not self.comm.distributed:
+            return sorted(self.late, reverse=True)
+        flags = torch.zeros(len(self.chunks), dtype=torch.uint8)
+        for cid in self.late:
+            flags[cid] = 1
+        self.comm.all_reduce(flags, op="max")
+        return flags.nonzero().flatten().flip(0).tolist()
+
     def abandon(self) -> None:
         """After a failed backward: finish what is in flight, drop buffers, reset."""
         while self.pending:
             self._complete(self.pending.popleft())
+        self._drain_downloads()
         for chunk in self.chunks:
             if chunk.grad_buffer is not None:
                 chunk.grad_buffer = None

@@ -1,0 +1,312 @@
+"""The GPU suite: one short run that checks and measures hf_elixir on a CUDA machine.
+
+    bash benchmarks/gpu_suite.sh                  # on one GPU; about 5 minutes, 8 at most
+    bash benchmarks/gpu_suite.sh --dry-run        # on a CPU, tiny models, every step (CI runs it)
+
+Sections (each job in a process of its own, with a timeout; the whole run has a deadline,
+so a stuck job cannot eat the time of the sections after it):
+
+1. smoke: the equivalence recipe at world size 1 on the device (fp32 plans against plain
+   PyTorch, bf16 against fp32), directly and under ``torchrun --nproc_per_node 1`` (NCCL on
+   a GPU). If anything differs the suite stops there: its numbers would mean nothing.
+2. offload_24g: GPT-2 1.5B (48 layers, 1600 wide), bf16, sequence 1024, allocations capped
+   at 24 GiB: hf_elixir with its planned plan, FSDP2 with CPUOffloadPolicy, DeepSpeed
+   ZeRO-3 with optimizer and parameter offload; 1 warm-up and 3 timed steps each; an
+   out-of-memory error is recorded as a result.
+3. mfu: the same model without a cap (it fits): hf_elixir's model FLOPs utilisation next
+   to FSDP2's.
+4. scale: the largest Llama-style model hf_elixir takes one step on under the 24 GiB cap,
+   trying 7B, then 13B (planned from the config first: a plan that cannot fit the
+   machine's host memory is refused in seconds, not after minutes of loading).
+5. fidelity: the plan's predicted peak memory and step time against the measured ones,
+   for hf_elixir in sections 2 and 4.
+
+Results: ``benchmarks/results/gpu_suite.json`` (``--out`` elsewhere; a dry run writes to a
+temporary file unless ``--out`` is given, so CI never overwrites the committed results)
+and a one-screen summary. Exit status 1 when the smoke test fails or a job errs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+JOBS = HERE / "gpu_suite_jobs.py"
+RESULTS = HERE / "results" / "gpu_suite.json"
+GiB = 2**30
+
+GPT2_XL = {"name": "gpt2-1.5b", "family": "gpt2",
+           "kwargs": dict(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024)}
+GPU_SETTINGS = {
+    "budget_s": 480, "device": "cuda", "cap_bytes": 24 * GiB,
+    "gpt2": GPT2_XL, "batch": 8, "seq": 1024, "dtype": "bf16",
+    "scale": [{"name": "llama-2-7b", "known": "llama-2-7b"}, {"name": "llama-2-13b", "known": "llama-2-13b"}],
+    "scale_batch": 1, "scale_seq": 1024,
+    # per job: (the most seconds it may take, the least worth starting it with); the
+    # deadline keeps the least of every later job in reserve
+    "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
+                 "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90)},
+    "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
+                                                      "d_all_cpu", "e_checkpointing"],
+}
+TINY = dict(vocab_size=512, bos_token_id=0, eos_token_id=0)
+TINY_GPT2 = {"name": "gpt2-tiny", "family": "gpt2", "kwargs": dict(TINY, n_layer=2, n_embd=64, n_head=4, n_positions=64)}
+TINY_LLAMA = dict(TINY, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+DRY_SETTINGS = {
+    "budget_s": 420, "device": "cpu", "cap_bytes": None,
+    "gpt2": TINY_GPT2, "batch": 2, "seq": 32, "dtype": "bf16",
+    "scale": [{"name": "llama-tiny-64", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=64, intermediate_size=128)},
+              {"name": "llama-tiny-128", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=128, intermediate_size=256)}],
+    "scale_batch": 1, "scale_seq": 32,
+    "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
+                 "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20)},
+    "smoke_archs": ["gpt2"], "smoke_plans": ["a_all_device", "d_all_cpu"],
+}
+
+
+class Runner:
+    """Starts jobs in their own processes against one deadline."""
+
+    def __init__(self, budget_s: float, workdir: Path, dry_run: bool) -> None:
+        self.deadline = time.monotonic() + budget_s
+        self.workdir = workdir
+        self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+                        TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
+                        PYTHONWARNINGS="ignore")
+        if dry_run:  # CI shares few cores; tiny models gain nothing from threads
+            self.env.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+        else:  # every system alike: a capped allocator should not fail on fragmentation
+            self.env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        self.count = 0
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def run(self, job: dict, limits: tuple[float, float], reserve_s: float = 0.0, torchrun: bool = False) -> dict:
+        """Run one job within ``limits`` (most, least seconds), keeping ``reserve_s`` for the
+        jobs after it; its result, or why there is none (timeout, killed, skipped)."""
+        most, least = limits
+        timeout = min(most, self.remaining() - reserve_s)
+        if timeout < least:
+            return {"status": "skipped", "error": f"the suite's time budget is spent ({timeout:.0f} s left for it)"}
+        self.count += 1
+        out = self.workdir / f"job{self.count}.json"
+        cmd = [sys.executable, str(JOBS), json.dumps(job), str(out)]
+        if torchrun:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *cmd[1:]]
+        t0 = time.monotonic()
+        # a session of its own: on timeout the whole tree goes (torchrun's worker included),
+        # so nothing keeps holding the GPU for the next job
+        proc = subprocess.Popen(cmd, env=self.env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+        try:
+            _, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            return {"status": "timeout", "error": f"no result within {timeout:.0f} s", "wall_s": timeout}
+        result: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {
+            "status": "killed" if proc.returncode < 0 else "error",
+            "error": f"exit code {proc.returncode} without a result (killed for host memory?)",
+            "stderr": stderr[-2000:]}
+        result["wall_s"] = time.monotonic() - t0
+        return result
+
+
+def train_job(settings: dict, system: str, **extra) -> dict:
+    job = {"job": "train", "system": system, "device": settings["device"], "model": settings["gpt2"],
+           "batch": settings["batch"], "seq": settings["seq"], "dtype": settings["dtype"],
+           "cap_bytes": settings["cap_bytes"], "warmup": 1, "steps": 3, "model_dtype": "fp32"}
+    job.update(extra)
+    return job
+
+
+# ---------------------------------------------------------------------- sections
+def _least(s: dict, *kinds: str) -> float:
+    return sum(s["timeouts"][k][1] for k in kinds)
+
+
+def section_smoke(runner: Runner, s: dict) -> dict:
+    job = {"job": "smoke", "device": s["device"], "archs": s["smoke_archs"], "plans": s["smoke_plans"]}
+    t = s["timeouts"]
+    direct = runner.run(job, t["smoke"])
+    launched = runner.run(dict(job, torchrun=True, plans=["a_all_device", "d_all_cpu"]), t["smoke_torchrun"],
+                          torchrun=True)
+    ok = direct.get("status") == "ok" and launched.get("status") == "ok"
+    return {"status": "ok" if ok else "failed", "direct": direct, "torchrun": launched}
+
+
+def section_offload(runner: Runner, s: dict) -> dict:
+    t = s["timeouts"]
+    later = _least(s, "mfu", "mfu", "scale")
+    return {
+        "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"], later + _least(s, "fsdp2", "deepspeed")),
+        "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"],
+                                    later + _least(s, "deepspeed")),
+        "deepspeed_offload": runner.run(train_job(s, "deepspeed", checkpointing=True), t["deepspeed"], later)
+        if importlib.util.find_spec("deepspeed") else
+        {"status": "unavailable", "error": "deepspeed is not installed (pip install -e '.[bench]')"},
+    }
+
+
+def section_mfu(runner: Runner, s: dict) -> dict:
+    t = s["timeouts"]["mfu"]
+    return {
+        "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t, _least(s, "mfu", "scale")),
+        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t, _least(s, "scale")),
+    }
+
+
+def section_scale(runner: Runner, s: dict) -> dict:
+    """Bigger models until one fails (or time runs out); the largest success is the answer."""
+    tried = []
+    for spec in s["scale"]:
+        job = train_job(s, "hf_elixir", model=spec, batch=s["scale_batch"], seq=s["scale_seq"],
+                        warmup=0, steps=1, model_dtype="bf16")
+        result = runner.run(job, s["timeouts"]["scale"])
+        tried.append({"model": spec["name"], **result})
+        if result.get("status") != "ok":
+            break
+    ok = [r for r in tried if r.get("status") == "ok"]
+    return {"largest": ok[-1]["model"] if ok else None, "tried": tried}
+
+
+def fidelity(results: dict) -> list[dict]:
+    """Predicted against measured, for every hf_elixir run that has a plan."""
+    rows = []
+    runs = [("offload_24g", results.get("offload_24g", {}).get("hf_elixir", {}))]
+    runs += [("scale", r) for r in results.get("scale", {}).get("tried", [])]
+    for section, r in runs:
+        plan = r.get("plan")
+        if r.get("status") != "ok" or not plan:
+            continue
+        measured_peak = r.get("max_memory_allocated")
+        source = "torch.cuda.max_memory_allocated"
+        if measured_peak is None:  # CPU: the runtime's own accounting is what there is
+            measured_peak, source = r.get("memory_report", {}).get("peak_total"), "memory_report() peak_total"
+        rows.append({
+            "section": section, "model": r.get("model"),
+            "predicted_peak_bytes": plan["predicted_peak_bytes"], "measured_peak_bytes": measured_peak,
+            "peak_source": source, "peak_ratio": _ratio(measured_peak, plan["predicted_peak_bytes"]),
+            "predicted_step_s": plan["predicted_step_s"], "measured_step_s": r["median_step_s"],
+            "step_ratio": _ratio(r["median_step_s"], plan["predicted_step_s"]),
+        })
+    return rows
+
+
+def _ratio(a: Optional[float], b: Optional[float]) -> Optional[float]:
+    return a / b if a is not None and b else None
+
+
+# ---------------------------------------------------------------------- summary
+def _gib(n: Optional[float]) -> str:
+    return "" if n is None else f"{n / GiB:.1f}"
+
+
+def summary_lines(results: dict) -> list[str]:
+    lines = [f"hf_elixir GPU suite ({results['mode']}) on {results['environment'].get('gpu') or 'CPU'}: "
+             f"{results['wall_s']:.0f} s",
+             f"smoke: {results['smoke']['status']}"]
+    for part in ("direct", "torchrun"):
+        r = results["smoke"][part]
+        lines.append(f"  {part:9s} {r.get('status')}  {len(r.get('checked', []))} cases"
+                     + (f"  {r.get('failures') or r.get('error')}" if r.get("status") != "ok" else ""))
+    lines.append(f"{'section':12s} {'system':18s} {'status':8s} {'tok/s':>9s} {'step s':>7s} {'peak GiB':>8s}  note")
+    for section in ("offload_24g", "mfu"):
+        for system, r in results.get(section, {}).items():
+            note = r.get("optimizer", "") if r.get("status") == "ok" else r.get("error", "")
+            if "mfu" in r:
+                note = f"MFU {r['mfu']['mfu']:.1%}  " + note
+            lines.append(f"{section:12s} {system:18s} {r.get('status', ''):8s} {r.get('tokens_per_s', 0):9.0f} "
+                         f"{r.get('median_step_s', 0):7.3f} {_gib(r.get('max_memory_allocated')):>8s}  {note[:60]}")
+    for r in results.get("scale", {}).get("tried", []):
+        plan = r.get("plan") or {}
+        note = (f"offload {plan.get('offload_fraction', 0):.0%}, params on host {plan.get('param_offload', 0)} chunks"
+                if r.get("status") == "ok" else r.get("error", ""))
+        lines.append(f"{'scale':12s} {str(r['model'])[:18]:18s} {r.get('status', ''):8s} {r.get('tokens_per_s', 0):9.0f} "
+                     f"{r.get('median_step_s', 0):7.3f} {_gib(r.get('max_memory_allocated')):>8s}  {note[:60]}")
+    for row in results.get("fidelity", []):
+        lines.append(f"fidelity {row['section']:11s} peak measured/predicted {row['peak_ratio'] or 0:.2f}, "
+                     f"step {row['step_ratio'] or 0:.2f}  ({row['peak_source']})")
+    return lines
+
+
+def environment() -> dict:
+    """Versions; the GPU's name comes from the smoke job (querying it here would create a
+    CUDA context in this process, holding device memory for the whole run)."""
+    import torch
+
+    env = {"torch": torch.__version__, "cuda": torch.version.cuda, "python": sys.version.split()[0]}
+    for package in ("transformers", "accelerate", "deepspeed"):
+        try:
+            from importlib.metadata import version
+
+            env[package] = version(package)
+        except Exception:
+            env[package] = None
+    return env
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny models: every step, nothing measured")
+    p.add_argument("--out", type=Path, default=None, help=f"results JSON (default {RESULTS.relative_to(ROOT)}; "
+                   "a dry run: a temporary file)")
+    p.add_argument("--budget", type=float, default=None, help="seconds the whole suite may take")
+    args = p.parse_args(argv)
+    settings = DRY_SETTINGS if args.dry_run else GPU_SETTINGS
+    if not args.dry_run:
+        import torch
+
+        if not torch.cuda.is_available():
+            print("no CUDA device: run with --dry-run to check the script on a CPU", file=sys.stderr)
+            return 2
+    out = args.out or (Path(tempfile.gettempdir()) / "gpu_suite_dry_run.json" if args.dry_run else RESULTS)
+    start = time.monotonic()
+    results: dict[str, Any] = {"mode": "dry-run (CPU, tiny models: no figure here is a GPU measurement)"
+                               if args.dry_run else "gpu", "environment": environment(),
+                               "settings": {k: v for k, v in settings.items() if k != "timeouts"}}
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:  # after every section: a run cut short keeps what it measured
+        results["wall_s"] = time.monotonic() - start
+        out.write_text(json.dumps(results, indent=1, default=str))
+
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
+        runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run)
+        results["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = runner.env.get("PYTORCH_CUDA_ALLOC_CONF")
+        results["smoke"] = section_smoke(runner, settings)
+        for key in ("gpu", "gpu_memory_bytes"):
+            results["environment"][key] = results["smoke"]["direct"].get(key)
+        save()
+        if results["smoke"]["status"] == "ok":
+            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu), ("scale", section_scale)):
+                results[name] = section(runner, settings)
+                save()
+        else:
+            skipped = {"status": "skipped", "error": "the smoke test failed"}
+            results["offload_24g"] = {k: skipped for k in ("hf_elixir", "fsdp2_offload", "deepspeed_offload")}
+            results["mfu"] = {k: skipped for k in ("hf_elixir", "fsdp2")}
+            results["scale"] = {"largest": None, "tried": []}
+    results["fidelity"] = fidelity(results)
+    save()
+    print("\n".join(summary_lines(results)))
+    print(f"wrote {out}")
+    jobs = [r for sec in ("offload_24g", "mfu") for r in results[sec].values()] + results["scale"]["tried"]
+    failed = results["smoke"]["status"] != "ok" or any(r.get("status") == "error" for r in jobs)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

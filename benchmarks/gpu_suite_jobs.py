@@ -1,0 +1,392 @@
+"""One job of the GPU suite, in a process of its own (see gpu_suite.py, which starts them).
+
+    python benchmarks/gpu_suite_jobs.py '<job JSON>' result.json
+
+A job is a JSON object with a ``job`` key:
+
+- ``smoke``: the equivalence recipe of tests/equivalence.py on the compute device at world
+  size 1: every kind of plan in fp32 against plain PyTorch on the same device, and bf16
+  against the fp32 reference (losses within 2%). Under torchrun it joins the launcher's
+  process group first (NCCL on CUDA, gloo on CPU).
+- ``train``: one system (hf_elixir with its planned plan, FSDP2 with or without
+  CPUOffloadPolicy, DeepSpeed ZeRO-3 with optimizer and parameter offload) trains a model
+  for warm-up + timed steps under an optional memory cap; tokens/s, peak allocated memory
+  and, for hf_elixir, the plan's predictions are recorded.
+
+The result (always a JSON object with ``status``: ok, oom, infeasible (no plan fits), failed,
+error) is written to
+the result path, so a crash after that point loses nothing; an out-of-memory error is a
+result, not a failure of the job.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from bench_step import elixir_step, plain_step
+
+HERE = Path(__file__).resolve().parent
+TESTS = HERE.parent / "tests"
+GiB = 2**30
+
+
+# ---------------------------------------------------------------------- device and models
+def device_and_cap(job: dict) -> torch.device:
+    """The compute device; with a CUDA device, cap this process's allocations as a smaller
+    card would (``cap_bytes``), so an over-large run fails with an out-of-memory error."""
+    if job.get("device", "cuda") == "cpu" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = int(os.environ.get("LOCAL_RANK", 0))
+    torch.cuda.set_device(index)
+    cap = job.get("cap_bytes")
+    if cap:
+        total = torch.cuda.get_device_properties(index).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap / total), index)
+    torch.cuda.reset_peak_memory_stats(index)
+    return torch.device("cuda", index)
+
+
+def make_config(spec: dict):
+    """A transformers config: ``{"known": name}`` (hf_elixir's table of published configs)
+    or ``{"family": "gpt2"|"llama", "kwargs": {...}}``."""
+    import transformers as tf
+
+    from hf_elixir.profile.configs import known_config
+
+    if "known" in spec:
+        cfg = known_config(spec["known"])
+    else:
+        cls = {"gpt2": tf.GPT2Config, "llama": tf.LlamaConfig}[spec["family"]]
+        cfg = cls(**spec["kwargs"])
+    cfg.use_cache = False
+    return cfg
+
+
+def build_model(spec: dict, dtype: torch.dtype) -> nn.Module:
+    """The model with its parameters filled by one fast pass (uniform, as small as a normal
+    init's spread) instead of Hugging Face's initialisation: a 7B model initialises in
+    seconds, not minutes. Buffers (rotary frequencies) are built normally. Every system
+    gets the same values."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(spec)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None:
+                continue
+            if id(p) not in made:  # tied parameters stay one parameter
+                t = torch.empty(p.shape, dtype=dtype)
+                if p.dim() >= 2:
+                    t.uniform_(-0.02, 0.02)
+                else:
+                    t.fill_(0.0 if name == "bias" else 1.0)
+                made[id(p)] = nn.Parameter(t, requires_grad=p.requires_grad)
+            module._parameters[name] = made[id(p)]
+    model.tie_weights()  # on the meta device the tie (GPT-2's wte and lm_head) was not made yet
+    return model
+
+
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The transformer's list of layers (the largest ModuleList)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def enable_checkpointing(model: nn.Module) -> None:
+    """The baselines checkpoint activations the way hf_elixir's plan does (the model's own
+    switch, non-reentrant)."""
+    from hf_elixir.runtime.module import _enable_activation_checkpointing
+
+    _enable_activation_checkpointing(model)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_single_process_group(device: torch.device) -> None:
+    """FSDP2 and DeepSpeed need a process group even for one rank."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    for key, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        os.environ.setdefault(key, value)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
+
+
+# ---------------------------------------------------------------------- systems
+def setup_hf_elixir(model, job: dict, device: torch.device) -> tuple[Callable, dict]:
+    """hf_elixir with the plan the planner picks for this model, batch and memory cap."""
+    import hf_elixir as hfe
+
+    plan = job["_plan"]
+    em = hfe.ElixirModule(model, plan, device=device)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def info() -> dict:
+        report = em.memory_report()
+        return {"memory_report": {k: report[k] for k in ("peak", "peak_total", "current_total")},
+                "cache_stats": report["cache_stats"]}
+
+    return elixir_step(em, opt), {"optimizer": "ElixirOptimizer (torch AdamW kernels)", "info": info}
+
+
+def setup_fsdp2(model, job: dict, device: torch.device) -> tuple[Callable, dict]:
+    """FSDP2 per layer and at the root, bf16 compute with fp32 reduction; with ``offload``
+    its CPUOffloadPolicy (the optimizer then steps on the CPU)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    init_single_process_group(device)
+    if job.get("checkpointing"):
+        enable_checkpointing(model)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[job["dtype"]]
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if job.get("offload") else OffloadPolicy()
+    for block in blocks_of(model):
+        fully_shard(block, mp_policy=mp, offload_policy=policy)
+    fully_shard(model, mp_policy=mp, offload_policy=policy)
+    step = plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
+    return (lambda ids: step(ids.to(device))), {"optimizer": "torch.optim.AdamW(fused=True)"}
+
+
+def deepspeed_cpu_adam() -> tuple[bool, str]:
+    """Whether DeepSpeedCPUAdam is ready without compiling, and what was found. Compiling
+    it takes a minute or more of the GPU machine's time, so only a prebuilt op is used."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except Exception as exc:  # deepspeed missing or broken
+        return False, f"deepspeed not importable ({exc!r})"
+    if installed_ops.get("cpu_adam"):
+        return True, "DeepSpeedCPUAdam (prebuilt op)"
+    missing = [what for what, ok in (("CUDA_HOME", os.environ.get("CUDA_HOME")),
+                                     ("a C++ compiler", shutil.which("c++") or shutil.which("g++"))) if not ok]
+    why = f"missing {', '.join(missing)}" if missing else "it would be JIT-compiled (minutes)"
+    return False, f"DeepSpeedCPUAdam not prebuilt, {why}: fused torch AdamW used instead"
+
+
+def setup_deepspeed(model, job: dict, device: torch.device) -> tuple[Callable, dict]:
+    """DeepSpeed ZeRO-3 with optimizer and parameter offload to the CPU."""
+    import deepspeed
+
+    init_single_process_group(device)
+    if device.type == "cpu":
+        # DeepSpeed's CPU accelerator JIT-compiles a shared-memory all-reduce (a minute, on
+        # a fresh machine) as its backend starts; one process never uses it
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    if job.get("checkpointing"):
+        enable_checkpointing(model)
+    pin = device.type == "cuda"
+    h = model.config.hidden_size  # the bucket sizes Hugging Face's integration picks for "auto"
+    zero = {"stage": 3, "reduce_bucket_size": h * h, "stage3_prefetch_bucket_size": int(0.9 * h * h),
+            "stage3_param_persistence_threshold": 10 * h,
+            "offload_optimizer": {"device": "cpu", "pin_memory": pin},
+            "offload_param": {"device": "cpu", "pin_memory": pin}}
+    ready, note = deepspeed_cpu_adam()
+    if ready:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        opt = DeepSpeedCPUAdam(model.parameters(), lr=1e-4, adamw_mode=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    config = {"train_micro_batch_size_per_gpu": job["batch"], "gradient_accumulation_steps": 1,
+              "gradient_clipping": 1.0, "bf16": {"enabled": job["dtype"] == "bf16"},
+              "zero_optimization": zero, "zero_force_ds_cpu_optimizer": ready,
+              "steps_per_print": 10**9, "wall_clock_breakdown": False}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=config)
+
+    def step(ids):
+        ids = ids.to(engine.device)
+        loss = engine(input_ids=ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        return loss
+
+    return step, {"optimizer": note}
+
+
+SYSTEMS = {"hf_elixir": setup_hf_elixir, "fsdp2": setup_fsdp2, "deepspeed": setup_deepspeed}
+
+
+# ---------------------------------------------------------------------- jobs
+def model_flops(cfg, tokens: int, seq: int) -> float:
+    """Model FLOPs of one training step (forward and backward, no recomputation): 6 per
+    parameter per token plus attention's 12 * layers * hidden * sequence per token."""
+    n_layer = getattr(cfg, "num_hidden_layers", None) or cfg.n_layer
+    hidden = cfg.hidden_size
+    return tokens * (6 * job_params(cfg) + 12 * n_layer * hidden * seq)
+
+
+def job_params(cfg) -> int:
+    """Trainable parameters of ``cfg``'s model, counted on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+def plan_for(job: dict, device: torch.device):
+    """hf_elixir's plan for this job, from the config alone (fails fast, before any memory
+    is touched, when nothing fits)."""
+    import hf_elixir as hfe
+
+    hw = hfe.HardwareProfile.detect()
+    budget = job.get("cap_bytes") or None
+    return hfe.plan(make_config(job["model"]), (job["batch"], job["seq"]), hardware=hw, world_size=1,
+                    dtype=job["dtype"], memory_budget=budget), hw
+
+
+def run_train(job: dict) -> dict:
+    device = device_and_cap(job)
+    out: dict[str, Any] = {"system": job["system"], "model": job["model"].get("name"), "device": str(device)}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    if job["system"] == "hf_elixir":
+        import hf_elixir as hfe
+
+        t0 = time.perf_counter()
+        try:
+            job["_plan"], hw = plan_for(job, device)
+        except hfe.PlanError as exc:  # an answer (the model is too large here), not a failure
+            return dict(out, status="infeasible", error=str(exc)[:600])
+        preds = job["_plan"].predictions
+        out["plan"] = {"seconds": time.perf_counter() - t0, "summary": job["_plan"].summary(),
+                       "predicted_peak_bytes": preds.get("peak_bytes"),
+                       "predicted_step_s": preds.get("step_time_s"),
+                       "n_chunks": job["_plan"].n_chunks, "chunk_size": job["_plan"].chunk_size,
+                       "offload_fraction": job["_plan"].offload_fraction(),
+                       "param_offload": sum(c.param_placement == "cpu" for c in job["_plan"].chunks),
+                       "rcache_blocks": job["_plan"].rcache_blocks,
+                       "activation_checkpointing": job["_plan"].activation_checkpointing,
+                       "hardware": hw.name}
+    dtype = torch.bfloat16 if job.get("model_dtype") == "bf16" else torch.float32
+    t0 = time.perf_counter()
+    model = build_model(job["model"], dtype)
+    out["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    step, meta = SYSTEMS[job["system"]](model, job, device)
+    out["setup_s"] = time.perf_counter() - t0
+    out["optimizer"] = meta["optimizer"]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    vocab = model.config.vocab_size
+    times, losses = [], []
+    for i in range(job["warmup"] + job["steps"]):
+        ids = torch.randint(0, vocab, (job["batch"], job["seq"]), generator=torch.Generator().manual_seed(i))
+        sync()
+        t0 = time.perf_counter()
+        loss = step(ids)
+        sync()
+        elapsed = time.perf_counter() - t0
+        losses.append(float(loss.detach().float().cpu()))
+        if i >= job["warmup"]:
+            times.append(elapsed)
+    median = statistics.median(times)
+    tokens = job["batch"] * job["seq"]
+    out.update(status="ok", step_times_s=times, median_step_s=median, tokens_per_s=tokens / median,
+               losses=losses, finite=all(l == l and abs(l) != float("inf") for l in losses))
+    if device.type == "cuda":
+        out["max_memory_allocated"] = torch.cuda.max_memory_allocated(device)
+    if job.get("mfu"):
+        import hf_elixir as hfe
+
+        hw = hfe.HardwareProfile.detect()
+        peak = hw.matmul_flops["bfloat16" if job["dtype"] == "bf16" else "float32"]
+        flops = model_flops(model.config, tokens, job["seq"])
+        out["mfu"] = {"model_flops_per_step": flops, "peak_flops": peak, "hardware": hw.name,
+                      "peak_source": hw.sources.get("matmul_flops", "preset"), "mfu": flops / median / peak}
+    if "info" in meta:
+        out.update(meta["info"]())
+    return out
+
+
+def run_smoke(job: dict) -> dict:
+    """The equivalence recipe on the compute device: fp32 plans against plain PyTorch on
+    the same device, bf16 against the fp32 reference's losses."""
+    sys.path.insert(0, str(TESTS))
+    import warnings
+
+    from equivalence import PLANS, assert_matches, build, chunk_size_for, elixir_run, reference_run
+
+    warnings.filterwarnings("ignore")
+    if job.get("torchrun"):
+        import torch.distributed as dist
+
+        backend = "nccl" if torch.cuda.is_available() and job.get("device") != "cpu" else "gloo"
+        dist.init_process_group(backend)
+    device = device_and_cap(job)
+    # cuBLAS picks kernels by shape and the recipe splits the batch into micro-batches, so on
+    # a GPU the fp32 runs agree to float rounding of a few 1e-6, not bit for bit
+    rtol = 1e-5 if device.type == "cpu" else 1e-4
+    checked, failures = [], []
+    for arch in job["archs"]:
+        size = max(chunk_size_for(build(arch)), 4096)
+        ref = reference_run(arch, device=str(device))
+        for name in job["plans"]:
+            kw = dict(PLANS[name], chunk_size=size)
+            label = f"{arch}/{name}/fp32"
+            try:
+                assert_matches(ref, elixir_run(0, 1, arch, kw, device=str(device)), rtol=rtol, label=label)
+            except AssertionError as exc:
+                failures.append(str(exc))
+            checked.append(label)
+        got = elixir_run(0, 1, arch, dict(PLANS["c_half_optim_cpu"], chunk_size=size, compute_dtype="bf16"),
+                         device=str(device))
+        far = [(a, b) for a, b in zip(ref["losses"], got["losses"]) if abs(a - b) > 0.02 * abs(a)]
+        checked.append(f"{arch}/c_half_optim_cpu/bf16")
+        if far:
+            failures.append(f"{arch} bf16: losses beyond 2% of fp32: {far}")
+    if job.get("torchrun"):
+        import torch.distributed as dist
+
+        out_backend = dist.get_backend()
+        dist.destroy_process_group()
+    else:
+        out_backend = None
+    out = {"status": "failed" if failures else "ok", "device": str(device), "checked": checked,
+           "failures": failures, "backend": out_backend}
+    if device.type == "cuda":
+        out.update(gpu=torch.cuda.get_device_name(device),
+                   gpu_memory_bytes=torch.cuda.get_device_properties(device).total_memory)
+    return out
+
+
+def main() -> None:
+    job, result_path = json.loads(sys.argv[1]), Path(sys.argv[2])
+    try:
+        result = run_smoke(job) if job["job"] == "smoke" else run_train(job)
+    except torch.cuda.OutOfMemoryError as exc:
+        result = {"status": "oom", "error": str(exc).split("\n")[0][:400]}
+        if torch.cuda.is_available():
+            result["max_memory_allocated"] = torch.cuda.max_memory_allocated()
+    except Exception as exc:
+        result = {"status": "error", "error": f"{type(exc).__name__}: {str(exc)[:400]}",
+                  "traceback": traceback.format_exc()[-3000:]}
+    if os.environ.get("RANK", "0") == "0":
+        result_path.write_text(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()

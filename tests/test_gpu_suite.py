@@ -1,0 +1,56 @@
+"""Acceptance 2 of issue 10: ``benchmarks/gpu_suite.sh --dry-run`` runs every step of the
+GPU suite on the CPU (tiny models, every system, the JSON written), so the script is known
+to work before a GPU is lent. Its output goes to a temporary file: the committed results
+stay untouched."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "benchmarks" / "results" / "gpu_suite.json"
+
+
+def _digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
+    out = tmp_path / "suite.json"
+    before = _digest(COMMITTED)
+    env = {k: v for k, v in os.environ.items() if k != "HF_ELIXIR_COLLECTIVES"}
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_suite.sh"), "--dry-run", "--out", str(out)],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert _digest(COMMITTED) == before, "a dry run must not overwrite the committed results"
+    data = json.loads(out.read_text())
+    assert data["mode"].startswith("dry-run")
+
+    smoke = data["smoke"]
+    assert smoke["status"] == "ok" and not smoke["direct"]["failures"]
+    assert smoke["direct"]["checked"] and smoke["torchrun"]["backend"] == "gloo"
+
+    deepspeed = importlib.util.find_spec("deepspeed") is not None
+    runs = {**{f"offload_24g/{k}": v for k, v in data["offload_24g"].items()},
+            **{f"mfu/{k}": v for k, v in data["mfu"].items()}}
+    assert set(runs) == {"offload_24g/hf_elixir", "offload_24g/fsdp2_offload", "offload_24g/deepspeed_offload",
+                         "mfu/hf_elixir", "mfu/fsdp2"}
+    for name, r in runs.items():
+        if name.endswith("deepspeed_offload") and not deepspeed:
+            assert r["status"] == "unavailable"
+            continue
+        assert r["status"] == "ok", f"{name}: {r.get('error')}\n{r.get('traceback', '')}"
+        assert r["tokens_per_s"] > 0 and len(r["step_times_s"]) == 3 and r["finite"], name
+    assert "predicted_peak_bytes" in data["offload_24g"]["hf_elixir"]["plan"]
+    assert all(0 < r["mfu"]["mfu"] for r in data["mfu"].values())
+
+    scale = data["scale"]
+    assert [t["status"] for t in scale["tried"]] == ["ok", "ok"] and scale["largest"] == scale["tried"][-1]["model"]
+    rows = data["fidelity"]
+    assert {r["section"] for r in rows} == {"offload_24g", "scale"} and len(rows) == 3
+    assert all(r["peak_ratio"] > 0 and r["step_ratio"] > 0 for r in rows)
