@@ -330,12 +330,19 @@ def test_plan_made_for_a_different_model() -> None:
 
 
 def test_rcache_too_small_says_what_to_change() -> None:
+    """Refused when the plan is built, with the minimum; a plan edited past that check
+    (its recorded minimum removed) still stops with advice when the runtime runs out."""
     from hf_elixir.runtime.fetch import RCacheTooSmall
 
     from tiny_models import make_dynamic_moe
 
     model = make_dynamic_moe()  # each MoE layer is one fetch unit spanning 3 chunks of 4096
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096, rcache_blocks=2))
+    with pytest.raises(hfe.PlanError, match="rcache_blocks >= 3"):
+        hfe.ElixirPlan.simple(model, 1, chunk_size=4096, rcache_blocks=2)
+    plan = hfe.ElixirPlan.simple(model, 1, chunk_size=4096, rcache_blocks=3)
+    assert plan.min_rcache_blocks == 3
+    plan.rcache_blocks, plan.min_rcache_blocks = 2, 0
+    em = hfe.ElixirModule(model, plan)
     ids = make_batch(2, 8)
     with pytest.raises(RCacheTooSmall, match="more rcache_blocks"):
         em(input_ids=ids, labels=ids)
