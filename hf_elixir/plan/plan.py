@@ -66,6 +66,8 @@ class ChunkPlan:
     params: list[str]
     optim_placement: Placement = "device"
     param_placement: Placement = "device"
+    numel: int = 0  # elements of its parameters (0: not recorded); may exceed chunk_size
+                    # only for a chunk holding one large parameter
 
 
 @dataclass
@@ -188,11 +190,13 @@ class ElixirPlan:
             groups[-1].append(name)
             used += p.numel()
         n_off = round(len(groups) * offload_fraction)
+        sizes = {name: p.numel() for name, p in named}
         chunks = [
             ChunkPlan(
                 params=g,
                 optim_placement="cpu" if i >= len(groups) - n_off else "device",
                 param_placement="cpu" if offload_params and i >= len(groups) - n_off else "device",
+                numel=sum(sizes[name] for name in g),
             )
             for i, g in enumerate(groups)
         ]
