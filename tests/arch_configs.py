@@ -48,7 +48,6 @@ _EXPERT_KEYS = {
     "num_routed_experts",
 }
 _TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_selected_experts"}
-_POSITION_KEYS = {"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len", "max_sequence_length"}
 
 
 @dataclass
@@ -68,30 +67,44 @@ class NotSmall:
 MAX_PARAMS = 2_000_000
 
 
-def _shrunk_value(key: str, value: Any, layers_before: int | None) -> Any:
-    """The small value for one config attribute, or ``value`` when no rule applies."""
-    if isinstance(value, bool) or value is None:
-        return value
-    if isinstance(value, float) and ("dropout" in key or key.endswith("pdrop") or key == "layerdrop"):
-        return 0.0
-    if not isinstance(value, int):
-        if isinstance(value, list) and layers_before and len(value) == layers_before:
-            return value[:LAYERS]  # per-layer lists (layer_types, ...)
-        return value
-    if key in _HIDDEN_KEYS or key.startswith("hidden_size"):
+@dataclass
+class _Before:
+    """Sizes of the default config, to recognise attributes that repeat them."""
+
+    layers: int | None
+    hidden: int | None
+    ffn: int | None
+
+    @classmethod
+    def of(cls, values: dict) -> "_Before":
+        def first(keys):
+            return next((values[k] for k in keys if type(values.get(k)) is int), None)
+
+        return cls(first(_LAYER_KEYS), first(_HIDDEN_KEYS), first(_FFN_KEYS))
+
+
+def _is_float_noise(key: str) -> bool:
+    return "dropout" in key or key.endswith("pdrop") or key == "layerdrop" or "jitter" in key
+
+
+def _shrunk_int(key: str, value: int, before: _Before) -> int:
+    """The small value of one integer attribute (``value`` when no rule applies)."""
+    if key in _HIDDEN_KEYS or key.startswith("hidden_size") or key.endswith("embed_dim") or key == "embedding_dim":
         return min(value, HIDDEN)
-    if key in _FFN_KEYS:
-        return min(value, 2 * HIDDEN)
-    if key in _SMALL_FFN_KEYS:
+    if key in _SMALL_FFN_KEYS or ("intermediate_size" in key and ("moe" in key or "expert" in key)):
         return min(value, HIDDEN // 2)
+    if key in _FFN_KEYS or "intermediate_size" in key:
+        return min(value, 2 * HIDDEN)
     if key in _LAYER_KEYS:
         return min(value, LAYERS)
-    if key in _HEAD_KEYS:
-        return min(value, HEADS)
     if key in _KV_HEAD_KEYS:
         return min(value, HEADS // 2) if value > 1 else value
-    if key in ("head_dim", "kv_channels", "attention_head_dim"):
+    if key in _HEAD_KEYS or "num_heads" in key or "n_heads" in key:
+        return min(value, HEADS)
+    if key.endswith("head_dim") or key in ("kv_channels", "attention_head_dim", "rotary_dim", "d_head"):
         return min(value, HIDDEN // HEADS)
+    if "lora_rank" in key:
+        return min(value, 16)
     if key in _EXPERT_KEYS:
         return min(value, 4)
     if key in _TOPK_KEYS:
@@ -100,24 +113,42 @@ def _shrunk_value(key: str, value: Any, layers_before: int | None) -> Any:
         return min(value, 1)
     if key in ("n_group", "topk_group", "num_expert_group"):
         return 1
-    if key in _POSITION_KEYS:
-        return min(value, 128)
-    if key == "vocab_size" or key.endswith("_vocab"):
+    if "vocab_size" in key or key.endswith("_vocab"):
         return VOCAB
     if key.endswith("token_id") or key.endswith("token_index"):
         return value if value < VOCAB else VOCAB - 1
+    # an attribute that repeats the default hidden or feed-forward width is one of them
+    if before.hidden and before.hidden >= 256 and value == before.hidden:
+        return HIDDEN
+    if before.ffn and before.ffn >= 256 and value == before.ffn:
+        return 2 * HIDDEN
+    return value
+
+
+def _shrunk_value(key: str, value: Any, before: _Before) -> Any:
+    """The small value for one config attribute, or ``value`` when no rule applies."""
+    if type(value) is int:
+        return _shrunk_int(key, value, before)
+    if isinstance(value, float) and _is_float_noise(key):
+        return 0.0
+    if isinstance(value, list) and before.layers and len(value) == before.layers:
+        return value[:LAYERS]  # per-layer lists (layer_types, ...)
+    if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+        return {k: v for k, v in value.items() if int(k) < LAYERS}  # per-layer overrides
+    if key == "is_decoder" and value is False:
+        return True  # encoder families (BERT, ...) are causal LMs only as decoders
     return value
 
 
 def _shrunk(values: dict) -> dict:
     """``values`` (a config's ``to_dict()``) with every rule applied, sub-configs included."""
-    layers_before = next((values[k] for k in _LAYER_KEYS if isinstance(values.get(k), int)), None)
+    before = _Before.of(values)
     out = {}
     for key, value in values.items():
         if isinstance(value, dict) and key.endswith("config"):
             out[key] = _shrunk(value)
         else:
-            out[key] = _shrunk_value(key, value, layers_before)
+            out[key] = _shrunk_value(key, value, before)
     return out
 
 
@@ -147,6 +178,9 @@ def build_tiny(model_type: str, seed: int = 0) -> nn.Module | Skip | NotSmall:
         return Skip(f"tiny config does not build: {type(exc).__name__}: {str(exc)[:120]}")
     if getattr(config, "is_encoder_decoder", False) and not hasattr(config, "is_decoder"):
         return Skip("encoder-decoder")
+    modalities = [k for k in ("vision_config", "audio_config") if getattr(config, k, None) is not None]
+    if modalities:
+        return Skip(f"multimodal ({', '.join(modalities)})")
     try:
         with torch.device("meta"):
             meta = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
