@@ -67,6 +67,9 @@ class NotSmall:
 MAX_PARAMS = 2_000_000
 
 
+_DERIVED_KEYS = {"qk_head_dim"}  # = qk_nope_head_dim + qk_rope_head_dim
+
+
 @dataclass
 class _Before:
     """Sizes of the default config, to recognise attributes that repeat them."""
@@ -74,13 +77,14 @@ class _Before:
     layers: int | None
     hidden: int | None
     ffn: int | None
+    heads: int | None
 
     @classmethod
     def of(cls, values: dict) -> "_Before":
         def first(keys):
             return next((values[k] for k in keys if type(values.get(k)) is int), None)
 
-        return cls(first(_LAYER_KEYS), first(_HIDDEN_KEYS), first(_FFN_KEYS))
+        return cls(first(_LAYER_KEYS), first(_HIDDEN_KEYS), first(_FFN_KEYS), first(_HEAD_KEYS))
 
 
 def _is_float_noise(key: str) -> bool:
@@ -97,8 +101,8 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
         return min(value, 2 * HIDDEN)
     if key in _LAYER_KEYS:
         return min(value, LAYERS)
-    if key in _KV_HEAD_KEYS:
-        return min(value, HEADS // 2) if value > 1 else value
+    if key in _KV_HEAD_KEYS:  # grouped-query attention stays grouped, multi-head stays so
+        return HEADS if value == before.heads else (min(value, HEADS // 2) if value > 1 else value)
     if key in _HEAD_KEYS or "num_heads" in key or "n_heads" in key:
         return min(value, HEADS)
     if key.endswith("head_dim") or key in ("kv_channels", "attention_head_dim", "rotary_dim", "d_head"):
@@ -145,6 +149,8 @@ def _shrunk(values: dict) -> dict:
     before = _Before.of(values)
     out = {}
     for key, value in values.items():
+        if key in _DERIVED_KEYS:
+            continue  # recomputed by the config from the sizes above
         if isinstance(value, dict) and key.endswith("config"):
             out[key] = _shrunk(value)
         else:

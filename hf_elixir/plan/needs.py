@@ -13,6 +13,7 @@ import contextlib
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
+import torch
 from torch import nn
 
 
@@ -61,9 +62,19 @@ def rcache_minimum(pins: Sequence[tuple[str, str]], module_params: Mapping[str, 
 def trace_fetch_needs(model: nn.Module, example_batch: Any, fetch_units: Sequence[str],
                       checkpointing: bool) -> FetchNeeds:
     """Trace one step of a meta copy of ``model`` (never touching its memory) and return
-    what it needs; raises whatever the model raises on the meta device."""
+    what it needs. Where the meta device cannot run the model, the real model runs one
+    step instead (gradients dropped, RNG restored)."""
+    from hf_elixir.profile.trace import build_meta_model
 
-    with _nonzero_on_meta():
+    try:
+        with _nonzero_on_meta():
+            return _trace(build_meta_model(model), example_batch, fetch_units, checkpointing)
+    except Exception:
+        if any(p.is_meta for p in model.parameters()):
+            raise
+    # Data-dependent shapes the meta device cannot follow (byte patching, ``.tolist()``):
+    # trace the real model instead, once, leaving its gradients and the RNG untouched.
+    with torch.random.fork_rng(devices=[]):
         return _trace(model, example_batch, fetch_units, checkpointing)
 
 
@@ -81,15 +92,17 @@ def _nonzero_on_meta():
         yield
 
 
-def _trace(model: nn.Module, example_batch: Any, fetch_units: Sequence[str], checkpointing: bool) -> FetchNeeds:
+def _trace(meta: nn.Module, example_batch: Any, fetch_units: Sequence[str], checkpointing: bool) -> FetchNeeds:
+    """One traced step of ``meta`` (a meta copy, or the real model as a fallback)."""
     from hf_elixir.profile.memory import run_step
     from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing
-    from hf_elixir.profile.trace import ExecutionTracer, build_meta_model, find_borrowed_reads, make_batch
+    from hf_elixir.profile.trace import ExecutionTracer, find_borrowed_reads, make_batch
 
-    meta = build_meta_model(model)
+    was_training = meta.training
     meta.train()
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
-    batch = make_batch(example_batch, vocab, device="meta")
+    device = next(meta.parameters()).device
+    batch = make_batch(example_batch, vocab, device=device)
     borrowed = find_borrowed_reads(meta, batch, fetch_units)
     tracer = ExecutionTracer(meta, fetch_units, borrowed)
     if checkpointing:
@@ -104,4 +117,5 @@ def _trace(model: nn.Module, example_batch: Any, fetch_units: Sequence[str], che
     finally:
         if checkpointing:
             disable_checkpointing(meta)
+        meta.train(was_training)
     return FetchNeeds(tracer.trace.module_params, borrowed, tracer.trace.pins)
