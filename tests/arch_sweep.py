@@ -107,6 +107,8 @@ def _one(rank: int, model_type: str) -> dict:
 
 def _compare(rank: int, model_type: str, group) -> dict:
     started = time.perf_counter()
+    threads = torch.get_num_threads()  # model code of an earlier architecture may change it
+    torch.set_num_threads(1)
     model = build_tiny(model_type)
     if isinstance(model, Skip):
         return {"status": "skip", "reason": model.reason}
@@ -133,7 +135,7 @@ def _compare(rank: int, model_type: str, group) -> dict:
     dist.broadcast(spread, src=1, group=group)  # rank 1's split run, for rank 0 to compare
     spread_losses = torch.tensor(plain_losses, dtype=torch.float64)
     dist.broadcast(spread_losses, src=1, group=group)
-    out = {"status": "ran", "seconds": time.perf_counter() - started, "info": got["info"]}
+    out = {"status": "ran", "seconds": time.perf_counter() - started, "info": got["info"], "threads": threads}
     if rank == 0:
         out.update(verdict(start, _flat(plain.state_dict()), spread, _flat(got["state"]),
                            plain_losses, spread_losses.tolist(), got_losses))

@@ -116,3 +116,65 @@ def test_a_parameter_larger_than_chunk_size_gets_its_own_chunk() -> None:
     assert [c.params for c in big] == [["embed.weight"], ["head.weight"]]
     assert "embed.weight alone: 3072 elements, more than chunk_size 1024" in plan.summary()
     _check("huge_embedding")
+
+
+# ---------------------------------------------------------------------- MoE auxiliary loss
+def _moe_model():
+    from tiny_models import make_model
+
+    model = make_model("mixtral")
+    model.config.output_router_logits = True
+    model.config.router_aux_loss_coef = 0.5
+    return model
+
+
+def _moe_plain(splits: int) -> dict:
+    """Plain PyTorch; ``splits`` 2 is data parallelism by hand: each half's loss (with its
+    own load-balancing statistic) averaged."""
+    model = _moe_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
+    ids = make_batch(4, 12)
+    losses = []
+    for _ in range(STEPS):
+        total = 0.0
+        for rows in ids.chunk(splits):
+            loss = model(input_ids=rows, labels=rows).loss / splits
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _moe_elixir(rank: int, world_size: int) -> dict:
+    import torch.distributed as dist
+
+    model = _moe_model()
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096))
+    eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
+    rows = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
+    losses = []
+    for _ in range(STEPS):
+        loss = em(input_ids=rows, labels=rows).loss
+        eopt.backward(loss)
+        eopt.clip_grad_norm_(1.0)
+        eopt.step()
+        eopt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return {"losses": losses, "state": em.state_dict()}
+
+
+def test_moe_aux_loss_is_per_rank_as_in_data_parallelism() -> None:
+    """The load-balancing loss is a statistic of the batch it sees: each rank computes it on
+    its own rows, as plain data parallelism does, not on the global batch."""
+    got = run_distributed(_moe_elixir, 2)[0]
+    assert_matches(_moe_plain(splits=2), got, label="moe aux, data parallel")
+    whole = _moe_plain(splits=1)  # the whole batch's statistic trains the routers differently
+    gates = [k for k in whole["state"] if "gate" in k and "experts" not in k]
+    assert gates
+    moved = max(((whole["state"][k] - got["state"][k]).norm() / whole["state"][k].norm()).item() for k in gates)
+    assert moved > 1e-4, moved
