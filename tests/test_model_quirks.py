@@ -178,3 +178,29 @@ def test_moe_aux_loss_is_per_rank_as_in_data_parallelism() -> None:
     assert gates
     moved = max(((whole["state"][k] - got["state"][k]).norm() / whole["state"][k].norm()).item() for k in gates)
     assert moved > 1e-4, moved
+
+
+# ---------------------------------------------------------------------- generate()
+def _generate_borrowing_model(rank: int, world_size: int) -> dict:
+    import copy
+
+    from arch_configs import build_tiny, make_ids
+
+    model = build_tiny("jetmoe")  # its attention reads experts.bias without calling experts
+    model.eval()
+    model.generation_config.pad_token_id = 0
+    ref = copy.deepcopy(model)
+    plan = hfe.ElixirPlan.simple(model, world_size)
+    plan.rcache_blocks = plan.min_rcache_blocks
+    em = hfe.ElixirModule(model, plan)
+    em.eval()
+    prompt = make_ids(2, 5, seed=3)
+    kw = dict(max_new_tokens=6, do_sample=False, use_cache=True)
+    return {"borrowed": plan.borrowed, "tokens": em.generate(prompt, **kw).tolist(),
+            "ref_tokens": ref.generate(prompt, **kw).tolist()}
+
+
+def test_generate_matches_for_a_model_that_reads_a_child_weight() -> None:
+    for got in run_distributed(_generate_borrowing_model, 2):
+        assert got["borrowed"], "the model must read a parameter it does not own"
+        assert got["tokens"] == got["ref_tokens"]
