@@ -95,7 +95,8 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
     """The small value of one integer attribute (``value`` when no rule applies)."""
     if key in _HIDDEN_KEYS or key.startswith("hidden_size") or key.endswith("embed_dim") or key == "embedding_dim":
         return min(value, HIDDEN)
-    if key in _SMALL_FFN_KEYS or ("intermediate_size" in key and ("moe" in key or "expert" in key)):
+    if key in _SMALL_FFN_KEYS or ("expert" in key and ("ffn" in key or "size" in key)) or (
+            "intermediate_size" in key and "moe" in key):
         return min(value, HIDDEN // 2)
     if key in _FFN_KEYS or "intermediate_size" in key:
         return min(value, 2 * HIDDEN)
@@ -109,7 +110,7 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
         return min(value, HIDDEN // HEADS)
     if "lora_rank" in key:
         return min(value, 16)
-    if key in _EXPERT_KEYS:
+    if key in _EXPERT_KEYS or key.endswith("expert_num"):
         return min(value, 4)
     if key in _TOPK_KEYS:
         return min(value, 2)
@@ -184,15 +185,15 @@ def build_tiny(model_type: str, seed: int = 0) -> nn.Module | Skip | NotSmall:
         return Skip(f"tiny config does not build: {type(exc).__name__}: {str(exc)[:120]}")
     if getattr(config, "is_encoder_decoder", False) and not hasattr(config, "is_decoder"):
         return Skip("encoder-decoder")
-    modalities = [k for k in ("vision_config", "audio_config") if getattr(config, k, None) is not None]
-    if modalities:
-        return Skip(f"multimodal ({', '.join(modalities)})")
     try:
         with torch.device("meta"):
             meta = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         size = sum(p.numel() for p in meta.parameters())
         if size > MAX_PARAMS:
             big = max(meta.named_parameters(), key=lambda kv: kv[1].numel())
+            modalities = [k for k in ("vision_config", "audio_config") if getattr(config, k, None) is not None]
+            if modalities:  # its encoders are not built from the text sizes shrunk here
+                return Skip(f"multimodal ({', '.join(modalities)}): {size} parameters after shrinking")
             return NotSmall(f"{size} parameters after shrinking (largest {big[0]} {tuple(big[1].shape)})")
         torch.manual_seed(seed)
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
