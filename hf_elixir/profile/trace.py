@@ -199,7 +199,7 @@ def _storage_id(t: torch.Tensor) -> int | None:
 def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
                         fetch_units: Iterable[str] = ()) -> dict[str, list[str]]:
     """Module name -> trainable parameters its forward reads but the runtime would not
-    fetch for it (found by running one forward of the meta ``model``)."""
+    fetch for it, found by running one forward of ``model`` (a meta copy, normally)."""
     units = list(fetch_units)
     names = parameter_names(model)
     storages = {_storage_id(p): names[id(p)] for p in model.parameters() if p.requires_grad}
@@ -207,12 +207,16 @@ def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
     for mname, _ in model.named_modules():
         unit_of[mname] = next((u for u in units if mname == u or mname.startswith(u + ".")), mname)
     recorder = _ReadRecorder(storages, module_parameters(model, units), unit_of)
+    def enter(name: str):
+        return lambda mod, args: recorder.stack.append(name)
+
+    def leave(mod, args, out) -> None:
+        recorder.stack.pop()
+
     handles = []
     for mname, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(
-            lambda mod, args, _n=mname: recorder.stack.append(_n)))
-        handles.append(module.register_forward_hook(
-            lambda mod, args, out: recorder.stack.pop() and None, always_call=True))
+        handles.append(module.register_forward_pre_hook(enter(mname)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
     try:
         with LiveStorageTracker(count_flops=False), recorder:
             model(**batch)
