@@ -130,6 +130,11 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
     return value
 
 
+def _per_layer(value: Any) -> bool:
+    """A dict of per-layer overrides keyed by layer index."""
+    return isinstance(value, dict) and bool(value) and all(str(k).isdigit() for k in value)
+
+
 def _shrunk_value(key: str, value: Any, before: _Before) -> Any:
     """The small value for one config attribute, or ``value`` when no rule applies."""
     if type(value) is int:
@@ -138,7 +143,7 @@ def _shrunk_value(key: str, value: Any, before: _Before) -> Any:
         return 0.0
     if isinstance(value, list) and before.layers and len(value) == before.layers:
         return value[:LAYERS]  # per-layer lists (layer_types, ...)
-    if isinstance(value, dict) and value and all(str(k).isdigit() for k in value):
+    if _per_layer(value):
         return {k: v for k, v in value.items() if int(k) < LAYERS}  # per-layer overrides
     if key == "is_decoder" and value is False:
         return True  # encoder families (BERT, ...) are causal LMs only as decoders
@@ -152,7 +157,7 @@ def _shrunk(values: dict) -> dict:
     for key, value in values.items():
         if key in _DERIVED_KEYS:
             continue  # recomputed by the config from the sizes above
-        if isinstance(value, dict) and key.endswith("config"):
+        if isinstance(value, dict) and key.endswith("config") and not _per_layer(value):
             out[key] = _shrunk(value)
         else:
             out[key] = _shrunk_value(key, value, before)
