@@ -335,7 +335,9 @@ def _rcache_too_small(rank: int, world_size: int) -> str:
     from tiny_models import make_dynamic_moe
 
     model = make_dynamic_moe()  # each MoE layer is one fetch unit spanning 3 chunks of 4096
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096, rcache_blocks=2))
+    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=4096, rcache_blocks=3)
+    plan.rcache_blocks, plan.min_rcache_blocks = 2, 0  # edited past the plan-time check
+    em = hfe.ElixirModule(model, plan)
     ids = make_batch(2, 8)
     with pytest.raises(RCacheTooSmall) as err:
         em(input_ids=ids, labels=ids)
@@ -343,6 +345,14 @@ def _rcache_too_small(rank: int, world_size: int) -> str:
 
 
 def test_rcache_too_small_says_what_to_change() -> None:
+    """Refused when the plan is built, with the minimum; a plan edited past that check
+    (its recorded minimum removed) still stops with advice when the runtime runs out."""
+    from tiny_models import make_dynamic_moe
+
+    model = make_dynamic_moe()
+    with pytest.raises(hfe.PlanError, match="rcache_blocks >= 3"):
+        hfe.ElixirPlan.simple(model, 2, chunk_size=4096, rcache_blocks=2)
+    assert hfe.ElixirPlan.simple(model, 2, chunk_size=4096, rcache_blocks=3).min_rcache_blocks == 3
     # two ranks: at world size 1 chunks are gathered in place and need no rCache block
     for message in run_distributed(_rcache_too_small, 2):
         assert "more rcache_blocks" in message

@@ -66,6 +66,8 @@ class ChunkPlan:
     params: list[str]
     optim_placement: Placement = "device"
     param_placement: Placement = "device"
+    numel: int = 0  # elements of its parameters (0: not recorded); may exceed chunk_size
+                    # only for a chunk holding one large parameter
 
 
 @dataclass
@@ -83,6 +85,10 @@ class ElixirPlan:
         fetch_units: module names whose whole subtree is fetched as one unit (dynamic control
             flow inside, e.g. mixture-of-experts blocks), so that every rank issues the same
             collectives whatever its routing.
+        borrowed: module name -> trainable parameters its forward reads without owning them
+            (``self.child.weight`` read by the parent); the runtime fetches them for it too.
+        min_rcache_blocks: the fewest rCache blocks this model and packing can run with (the
+            most chunks in use at once, from the traced step); 0 when unknown.
         signature: digest of the trainable parameters' names and shapes (see model_signature).
         predictions: optional figures from the planner (peak bytes by category, step time).
         alternatives: optional runner-up candidates with the reason they lost.
@@ -96,6 +102,8 @@ class ElixirPlan:
     activation_checkpointing: bool = False
     prefetch_depth: int = 1
     fetch_units: list[str] = field(default_factory=list)
+    borrowed: dict[str, list[str]] = field(default_factory=dict)
+    min_rcache_blocks: int = 0
     signature: str = ""
     predictions: dict[str, Any] = field(default_factory=dict)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
@@ -138,11 +146,17 @@ class ElixirPlan:
         prefetch_depth: int = 1,
         fetch_units: list[str] | None = None,
         pack_size: int | None = None,
+        example_batch: Any = (1, 16),
     ) -> "ElixirPlan":
         """A valid plan without search: parameters packed greedily in module order.
 
         chunk_size defaults to the largest parameter (rounded up to a multiple of world_size);
-        rcache_blocks defaults to every chunk (nothing is ever re-gathered); the last
+        a parameter larger than chunk_size gets a chunk of its own, sized to it. One step
+        of a meta-device copy of the model with ``example_batch`` (a dict of tensors, only
+        their shapes are used, or ``(batch_size, seq_len)`` of ``input_ids``) finds the
+        parameters a module reads without owning them and the fewest rCache blocks the
+        model needs; rcache_blocks defaults to every chunk (nothing is ever re-gathered) and
+        a value below that minimum is refused. The last
         ``offload_fraction`` of chunks keep their optimizer state on the CPU (the first
         chunks are used first in backward's last stretch, so offloading the tail first
         overlaps best); ``offload_params`` also places those chunks' parameter shards on CPU.
@@ -157,36 +171,41 @@ class ElixirPlan:
         named = trainable_parameters(model)
         if not named:
             raise PlanError("the model has no parameters that require gradients; nothing to shard")
-        largest = max(p.numel() for _, p in named)
         if chunk_size is None:
-            chunk_size = largest
+            chunk_size = max(p.numel() for _, p in named)
+        if chunk_size < 1:
+            raise PlanError(f"chunk_size must be >= 1, got {chunk_size}")
         chunk_size = -(-chunk_size // world_size) * world_size
-        if chunk_size < largest:
-            biggest = max(named, key=lambda kv: kv[1].numel())[0]
-            raise PlanError(
-                f"chunk_size {chunk_size} is smaller than parameter {biggest!r} "
-                f"({largest} elements); use chunk_size >= {largest}"
-            )
         fill = chunk_size if pack_size is None else min(max(pack_size, 1), chunk_size)
         groups: list[list[str]] = []
         used = chunk_size
         for name, p in named:
+            if p.numel() > chunk_size:  # alone in a chunk of its own size
+                groups.append([name])
+                used = chunk_size
+                continue
             if used + p.numel() > fill:
                 groups.append([])
                 used = 0
             groups[-1].append(name)
             used += p.numel()
         n_off = round(len(groups) * offload_fraction)
+        sizes = {name: p.numel() for name, p in named}
         chunks = [
             ChunkPlan(
                 params=g,
                 optim_placement="cpu" if i >= len(groups) - n_off else "device",
                 param_placement="cpu" if offload_params and i >= len(groups) - n_off else "device",
+                numel=sum(sizes[name] for name in g),
             )
             for i, g in enumerate(groups)
         ]
         if fetch_units is None:
             fetch_units = detect_fetch_units(model)
+        needs = _trace_needs(model, example_batch, fetch_units, activation_checkpointing)
+        minimum = needs.rcache_minimum(groups)
+        if rcache_blocks is not None and rcache_blocks < minimum:
+            raise PlanError(_too_few_blocks(rcache_blocks, minimum))
         return cls(
             world_size=world_size,
             chunk_size=chunk_size,
@@ -196,6 +215,8 @@ class ElixirPlan:
             activation_checkpointing=activation_checkpointing,
             prefetch_depth=prefetch_depth,
             fetch_units=fetch_units,
+            borrowed=needs.borrowed,
+            min_rcache_blocks=minimum,
             signature=model_signature(named),
         )
 
@@ -222,6 +243,8 @@ class ElixirPlan:
         canonical_dtype(self.compute_dtype)
         if self.rcache_blocks < 1:
             raise PlanError(f"rcache_blocks must be >= 1, got {self.rcache_blocks}")
+        if self.rcache_blocks < self.min_rcache_blocks:
+            raise PlanError(_too_few_blocks(self.rcache_blocks, self.min_rcache_blocks))
         if self.prefetch_depth < 0:
             raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
         for i, c in enumerate(self.chunks):
@@ -261,15 +284,18 @@ class ElixirPlan:
             )
         for i, c in enumerate(self.chunks):
             total = sum(named[n].numel() for n in c.params)
-            if total > self.chunk_size:
+            if total > self.chunk_size and len(c.params) > 1:  # one large parameter may
                 raise PlanError(
                     f"chunk {i} holds {total} elements, more than chunk_size {self.chunk_size}; "
-                    "raise chunk_size or split the chunk"
+                    "raise chunk_size or split the chunk (only a single parameter may exceed it)"
                 )
         modules = dict(model.named_modules())
-        unknown = [u for u in self.fetch_units if u not in modules]
+        unknown = [u for u in [*self.fetch_units, *self.borrowed] if u not in modules]
         if unknown:
-            raise PlanError(f"fetch_units name modules the model does not have: {unknown}")
+            raise PlanError(f"fetch_units or borrowed name modules the model does not have: {unknown}")
+        strangers = [p for ps in self.borrowed.values() for p in ps if p not in named]
+        if strangers:
+            raise PlanError(f"borrowed names parameters the model does not have: {strangers[:5]}")
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
@@ -317,6 +343,28 @@ class ElixirPlan:
         core.pop("predictions", None)
         core.pop("alternatives", None)
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _too_few_blocks(blocks: int, minimum: int) -> str:
+    return (
+        f"rcache_blocks {blocks} is too few for this model and packing: up to {minimum} chunks "
+        f"are in use at once (nested modules, several chunks per module); use "
+        f"rcache_blocks >= {minimum} (or a larger chunk_size, so modules span fewer chunks)"
+    )
+
+
+def _trace_needs(model: nn.Module, example_batch: Any, fetch_units: list[str], checkpointing: bool):
+    """``trace_fetch_needs`` with its failure turned into advice."""
+    from hf_elixir.plan.needs import trace_fetch_needs
+
+    try:
+        return trace_fetch_needs(model, example_batch, fetch_units, checkpointing)
+    except Exception as exc:
+        raise PlanError(
+            f"could not trace one step of {type(model).__name__} on the meta device "
+            f"({type(exc).__name__}: {exc}); pass example_batch= with inputs its forward "
+            "accepts (a dict of tensors)"
+        ) from exc
 
 
 def detect_fetch_units(model: nn.Module) -> list[str]:

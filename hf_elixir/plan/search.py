@@ -30,6 +30,7 @@ from torch import nn
 
 from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
 from hf_elixir.plan import cost
+from hf_elixir.plan.needs import rcache_minimum
 from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError, canonical_dtype, model_signature
 from hf_elixir.profile.profiler import ModelProfile, profile_model
 
@@ -122,10 +123,11 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
             seq = cost.access_sequence(tr.events, tr.module_params, tr.module_flops, param_chunk,
                                        step.memory.flops, step.memory.forward_flops, rate)
             span = cost.max_span(tr.module_params, param_chunk)
+            nested = rcache_minimum(tr.pins, tr.module_params, chunks)
             act = step.memory.peak
             gbufs = cost.grad_buffer_chunks(seq, n)
             for d in PREFETCH_DEPTHS:
-                r_min = max(2, span + max(1, d))
+                r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
                     misses = cost.belady_misses(seq, n, R)
@@ -258,11 +260,13 @@ def plan(
     best = fitting[-1]
 
     chunks = packings[best.chunk_size]
+    sizes = {p.name: p.numel for p in profile.params}
     n = len(chunks)
     plan_chunks = [
         ChunkPlan(params=list(c),
                   optim_placement="cpu" if i >= n - best.n_optim_cpu else "device",
-                  param_placement="cpu" if i >= n - best.n_param_cpu else "device")
+                  param_placement="cpu" if i >= n - best.n_param_cpu else "device",
+                  numel=sum(sizes[name] for name in c))
         for i, c in enumerate(chunks)
     ]
     named = [(p.name, torch.empty(p.shape, device="meta")) for p in profile.params]
@@ -302,6 +306,9 @@ def plan(
         activation_checkpointing=best.checkpointing,
         prefetch_depth=best.prefetch_depth,
         fetch_units=list(profile.fetch_units),
+        borrowed={m: list(ps) for m, ps in profile.borrowed.items()},
+        min_rcache_blocks=rcache_minimum(profile.step(best.checkpointing).trace.pins,
+                                         profile.step(best.checkpointing).trace.module_params, chunks),
         signature=model_signature(named),
         predictions=predictions,
         alternatives=_alternatives(best, cands, path, budget, alternatives),

@@ -88,4 +88,20 @@ def summary(plan) -> str:
         lines.append(f"  {plan.n_chunks} chunks of {plan.chunk_size} elements, rCache "
                      f"{plan.rcache_blocks}, checkpointing {plan.activation_checkpointing}, "
                      f"optimizer offload {plan.offload_fraction():.0%} (no predictions recorded)")
+    lines.extend(_notes(plan))
     return "\n".join(lines)
+
+
+def _notes(plan) -> list[str]:
+    """What departs from the uniform picture above: oversized chunks, borrowed reads."""
+    out: list[str] = []
+    if plan.min_rcache_blocks:
+        out.append(f"  rCache minimum for this model and packing: {plan.min_rcache_blocks} blocks")
+    for i, c in enumerate(plan.chunks):
+        if c.numel > plan.chunk_size:
+            out.append(f"  chunk {i} holds {c.params[0]} alone: {c.numel} elements, more than "
+                       f"chunk_size {plan.chunk_size} (its rCache block is that large)")
+    for module, params in plan.borrowed.items():
+        out.append(f"  {module or '(root)'} reads {', '.join(params)} without owning them: "
+                   "fetched for it as well")
+    return out

@@ -17,6 +17,7 @@ from hf_elixir.profile.trace import (
     Trace,
     batch_shape,
     build_meta_model,
+    find_borrowed_reads,
     make_batch,
     module_parameters,
     tied_parameters,
@@ -49,6 +50,8 @@ class ModelProfile:
             device by the runtime, in the compute dtype).
         buffer_bytes: bytes of buffers (kept whole on the device).
         fetch_units: modules fetched as one unit (mixture-of-experts blocks).
+        borrowed: module -> trainable parameters its forward reads without owning them
+            (fetched for it too; see ``find_borrowed_reads``).
         plain: the step without activation checkpointing.
         checkpointed: the step with activation checkpointing, or None when the model does not
             support it.
@@ -71,6 +74,7 @@ class ModelProfile:
     attention_target: str
     model_name: str = ""
     seconds: float = 0.0
+    borrowed: dict[str, list[str]] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -139,9 +143,10 @@ def trace_step(
     batch: dict[str, torch.Tensor],
     fetch_units: list[str],
     attention_target: str | None,
+    borrowed: dict[str, list[str]] | None = None,
 ) -> PassProfile:
     """Run one step of ``model`` (meta or real) under the tracer and the storage tracker."""
-    tracer = ExecutionTracer(model, fetch_units)
+    tracer = ExecutionTracer(model, fetch_units, borrowed)
     tracker = LiveStorageTracker()
     tracker.on_flops = tracer.add_flops
 
@@ -194,14 +199,15 @@ def profile_model(
     frozen = sum(p.numel() * p.element_size() for p in meta.parameters() if not p.requires_grad)
     buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
 
+    borrowed = find_borrowed_reads(meta, batch, fetch_units)
     plain = ckpt = None
     if checkpointing is not True:
-        plain = trace_step(meta, batch, fetch_units, attention_target)
+        plain = trace_step(meta, batch, fetch_units, attention_target, borrowed)
     can_ckpt = _supports_checkpointing(meta)
     if checkpointing is not False and can_ckpt:
         enable_checkpointing(meta)
         try:
-            ckpt = trace_step(meta, batch, fetch_units, attention_target)
+            ckpt = trace_step(meta, batch, fetch_units, attention_target, borrowed)
         finally:
             disable_checkpointing(meta)
     if plain is None:
@@ -224,6 +230,7 @@ def profile_model(
         attention_target=attention_target,
         model_name=model_name,
         seconds=time.perf_counter() - start,
+        borrowed=borrowed,
     )
 
 

@@ -23,8 +23,12 @@ from typing import Any, Iterable
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from hf_elixir.grad_marks import alias_inputs, on_output_grad
 from hf_elixir.plan.plan import canonical_dtype, detect_fetch_units
+from hf_elixir.profile.memory import LiveStorageTracker
 
 Phase = str  # "forward" | "backward" | "recompute"
 
@@ -128,11 +132,13 @@ def tied_parameters(model: nn.Module) -> list[list[str]]:
     return [g for g in groups.values() if len(g) > 1]
 
 
-def module_parameters(model: nn.Module, fetch_units: Iterable[str] = ()) -> dict[str, list[str]]:
+def module_parameters(model: nn.Module, fetch_units: Iterable[str] = (),
+                      borrowed: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
     """Module name -> canonical names of the trainable parameters the runtime fetches for it.
 
     A module owns its direct parameters; a fetch unit owns its whole subtree and its
-    descendants own nothing. Modules owning nothing are left out.
+    descendants own nothing; ``borrowed`` (see ``find_borrowed_reads``) adds parameters a
+    module's forward reads without owning them. Modules fetching nothing are left out.
     """
     names = parameter_names(model)
     units = list(fetch_units)
@@ -145,9 +151,79 @@ def module_parameters(model: nn.Module, fetch_units: Iterable[str] = ()) -> dict
         for p in params:
             if p.requires_grad and names[id(p)] not in own:
                 own.append(names[id(p)])
+        own += [p for p in (borrowed or {}).get(mname, []) if p not in own]
         if own and mname not in owned:
             owned[mname] = own
     return owned
+
+
+class _ReadRecorder(TorchDispatchMode):
+    """Sees every operator in forward and notes parameter storages read by a module that
+    does not fetch them (a parent reading ``self.child.weight``, a router calling
+    ``F.linear(h, self.gate.weight)``, or a view of a weight kept from an earlier module)."""
+
+    def __init__(self, storages: dict[int, str], fetched: dict[str, list[str]], unit_of: dict[str, str]):
+        super().__init__()
+        self.storages = storages
+        self.fetched = {m: set(ps) for m, ps in fetched.items()}
+        self.unit_of = unit_of
+        self.stack: list[str] = []
+        self.reads: dict[str, list[str]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self.stack:
+            for t in tree_flatten((args, kwargs))[0]:
+                if isinstance(t, torch.Tensor):
+                    name = self.storages.get(_storage_id(t))
+                    if name is not None:
+                        self._note(name)
+        return func(*args, **kwargs)
+
+    def _note(self, param: str) -> None:
+        units = [self.unit_of[m] for m in self.stack]
+        if any(param in self.fetched.get(u, ()) for u in units):
+            return  # a module in the call stack fetched it: it is gathered and pinned
+        reads = self.reads.setdefault(units[-1], [])
+        if param not in reads:
+            reads.append(param)
+
+
+def _storage_id(t: torch.Tensor) -> int | None:
+    try:
+        return t.untyped_storage()._cdata
+    except Exception:  # tensors without storage (sparse, nested, functional wrappers)
+        return None
+
+
+def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
+                        fetch_units: Iterable[str] = ()) -> dict[str, list[str]]:
+    """Module name -> trainable parameters its forward reads but the runtime would not
+    fetch for it, found by running one forward of ``model`` (a meta copy, normally)."""
+    units = list(fetch_units)
+    names = parameter_names(model)
+    storages = {_storage_id(p): names[id(p)] for p in model.parameters() if p.requires_grad}
+    unit_of = {}
+    for mname, _ in model.named_modules():
+        unit_of[mname] = next((u for u in units if mname == u or mname.startswith(u + ".")), mname)
+    recorder = _ReadRecorder(storages, module_parameters(model, units), unit_of)
+    def enter(name: str):
+        return lambda mod, args: recorder.stack.append(name)
+
+    def leave(mod, args, out) -> None:
+        recorder.stack.pop()
+
+    handles = []
+    for mname, module in model.named_modules():
+        handles.append(module.register_forward_pre_hook(enter(mname)))
+        handles.append(module.register_forward_hook(leave, always_call=True))
+    try:
+        with LiveStorageTracker(count_flops=False), recorder:
+            model(**batch)
+    finally:
+        for h in handles:
+            h.remove()
+    return recorder.reads
 
 
 # ---------------------------------------------------------------------- tracing
@@ -160,11 +236,14 @@ class Trace:
         module_params: module -> canonical names of the trainable parameters it uses.
         module_flops: module -> forward matmul FLOPs of the operators run while it was the
             innermost module owning parameters (used to spread compute time over modules).
+        pins: ``("pin" | "unpin", module)`` in the order the runtime pins and unpins each
+            module's chunks, forward and backward (see ``ExecutionTracer``).
     """
 
     events: list[tuple[Phase, str]] = field(default_factory=list)
     module_params: dict[str, list[str]] = field(default_factory=dict)
     module_flops: dict[str, int] = field(default_factory=dict)
+    pins: list[tuple[str, str]] = field(default_factory=list)
 
     def first_use_order(self, all_params: Iterable[str]) -> list[str]:
         """Parameters in the order the forward first uses them; unused ones at the end."""
@@ -181,23 +260,41 @@ class Trace:
         return order
 
 
-class ExecutionTracer:
-    """Module hooks that fill a ``Trace`` while the model runs one step."""
+@dataclass
+class _Call:
+    """One traced call of one fetch unit, followed through its backward (as the runtime does)."""
 
-    def __init__(self, model: nn.Module, fetch_units: Iterable[str] | None = None):
+    name: str
+    recomputed: bool  # called again in backward (activation checkpointing)
+    pinned: bool = False
+    done: bool = False
+
+
+class ExecutionTracer:
+    """Module hooks that fill a ``Trace`` while the model runs one step.
+
+    Besides the fetch order it records when each fetch unit's chunks are pinned and
+    unpinned, with exactly the runtime's rules (``hf_elixir.grad_marks``): pinned from
+    pre-forward to post-forward, and in backward from its outputs' first gradient until the
+    gradients of its inputs are complete. ``Trace.pins`` is what ``rcache_minimum`` replays.
+    """
+
+    def __init__(self, model: nn.Module, fetch_units: Iterable[str] | None = None,
+                 borrowed: dict[str, list[str]] | None = None):
         self.model = model
         self.fetch_units = list(detect_fetch_units(model) if fetch_units is None else fetch_units)
-        self.trace = Trace(module_params=module_parameters(model, self.fetch_units))
+        self.trace = Trace(module_params=module_parameters(model, self.fetch_units, borrowed))
         self.in_backward = False
         self._stack: list[str] = []
+        self._calls: dict[str, list[_Call]] = {}
         self._handles: list[Any] = []
 
     def __enter__(self) -> "ExecutionTracer":
         for name, module in self.model.named_modules():
             if name not in self.trace.module_params:
                 continue
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name)))
-            self._handles.append(module.register_forward_hook(self._post_hook(name)))
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post_hook(name), always_call=True))
         return self
 
     def __exit__(self, *exc) -> None:
@@ -211,9 +308,15 @@ class ExecutionTracer:
             self.trace.module_flops[top] = self.trace.module_flops.get(top, 0) + n
 
     def _pre_hook(self, name: str):
-        def hook(module, args):
+        def hook(module, args, kwargs):
             self.trace.events.append(("recompute" if self.in_backward else "forward", name))
+            self.trace.pins.append(("pin", name))
             self._stack.append(name)
+            call = _Call(name, recomputed=self.in_backward)
+            self._calls.setdefault(name, []).append(call)
+            if torch.is_grad_enabled():
+                return alias_inputs((args, kwargs), lambda: self._backward_done(call))
+            return None
 
         return hook
 
@@ -221,22 +324,26 @@ class ExecutionTracer:
         def hook(module, args, output):
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            if self.in_backward:
-                return None
-            fired = [False]
-
-            def on_grad(grad):
-                if not fired[0]:
-                    fired[0] = True
-                    self.trace.events.append(("backward", name))
-                return None
-
-            for t in _tensors(output):
-                if t.requires_grad:
-                    t.register_hook(on_grad)
+            self.trace.pins.append(("unpin", name))
+            call = self._calls[name].pop()
+            if torch.is_grad_enabled():
+                on_output_grad(output, lambda: self._backward_begins(call))
             return None
 
         return hook
+
+    def _backward_begins(self, call: _Call) -> None:
+        if call.pinned:
+            return
+        call.pinned = True
+        if not call.recomputed:  # a recomputed call's fetch event was its recompute
+            self.trace.events.append(("backward", call.name))
+        self.trace.pins.append(("pin", call.name))
+
+    def _backward_done(self, call: _Call) -> None:
+        if call.pinned and not call.done:
+            call.done = True
+            self.trace.pins.append(("unpin", call.name))
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:

@@ -1,10 +1,11 @@
 """Module and parameter hooks: fetch before forward and backward, unpin after, hand off grads.
 
 For a module that owns chunked parameters:
-- pre-forward: fetch (gather and pin) its chunks; wrap its grad-requiring inputs in
-  ``_OnBackward`` so we learn when its backward is done;
-- post-forward: unpin; wrap its grad-requiring outputs in ``_OnBackward`` so its chunks are
-  fetched again before autograd runs its backward;
+- pre-forward: fetch (gather and pin) its chunks; hand it aliases of its grad-requiring
+  inputs whose gradient hook tells us when its backward is done;
+- post-forward: unpin; hook its grad-requiring outputs so its chunks are fetched again
+  before autograd runs its backward (see ``hf_elixir.grad_marks``: the model may modify
+  both in place);
 - each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
 At the end of every backward (an autograd engine callback) leftover pins are dropped and
 the remaining chunks are reduce-scattered.
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 from torch import nn
 
+from hf_elixir.grad_marks import alias_inputs, on_output_grad
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.fetch import Fetcher
@@ -27,64 +29,6 @@ from hf_elixir.runtime.reduce import GradReducer
 
 def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
-
-
-# ---------------------------------------------------------------------- pytree-light helpers
-def _collect(obj: Any, out: list[torch.Tensor]) -> None:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            _collect(item, out)
-    elif isinstance(obj, dict):
-        for item in obj.values():
-            _collect(item, out)
-
-
-def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return mapping.get(id(obj), obj)
-    if isinstance(obj, tuple):
-        items = [_replace(item, mapping) for item in obj]
-        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    if isinstance(obj, list):
-        return [_replace(item, mapping) for item in obj]
-    if isinstance(obj, dict):
-        if type(obj) is dict:
-            return {k: _replace(v, mapping) for k, v in obj.items()}
-        for k in list(obj.keys()):  # ModelOutput and friends: update in place
-            obj[k] = _replace(obj[k], mapping)
-        return obj
-    return obj
-
-
-def _wrap(callback: Callable[[], None], obj: Any) -> Any:
-    """``obj`` with its grad-requiring tensors passed through one _OnBackward."""
-    tensors: list[torch.Tensor] = []
-    _collect(obj, tensors)
-    if not tensors:
-        return obj
-    unique = list({id(t): t for t in tensors}.values())
-    wrapped = _OnBackward.apply(callback, *unique)
-    return _replace(obj, {id(t): w for t, w in zip(unique, wrapped)})
-
-
-class _OnBackward(torch.autograd.Function):
-    """Identity that calls ``callback`` when the gradient passes through it in backward.
-
-    On a module's outputs it fires before the module's backward (time to fetch its chunks);
-    on its inputs, after (time to unpin them)."""
-
-    @staticmethod
-    def forward(ctx, callback, *tensors):
-        ctx.callback = callback
-        return tensors
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.callback()
-        return (None, *grads)
 
 
 @dataclass
@@ -141,7 +85,7 @@ class HookManager:
             self.fetcher.fetch(cids)
             call.fetched = True
             if torch.is_grad_enabled():
-                args, kwargs = _wrap(lambda: self._post_backward(call), (args, kwargs))
+                args, kwargs = alias_inputs((args, kwargs), lambda: self._post_backward(call))
             return args, kwargs
 
         def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
@@ -150,7 +94,7 @@ class HookManager:
                 return output
             self.fetcher.unpin(call.cids)
             if torch.is_grad_enabled():
-                output = _wrap(lambda: self._pre_backward(call), output)
+                on_output_grad(output, lambda: self._pre_backward(call))
             return output
 
         return pre_forward, post_forward

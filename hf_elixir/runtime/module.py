@@ -300,17 +300,21 @@ class ElixirModule(nn.Module):
 
     def _fetch_units(self) -> dict[nn.Module, list[int]]:
         """Each module fetches the chunks of its own parameters; a fetch unit (a dynamic
-        block such as a mixture-of-experts layer) fetches its whole subtree at once."""
+        block such as a mixture-of-experts layer) fetches its whole subtree at once; a
+        module whose forward reads parameters it does not own (``plan.borrowed``) fetches
+        their chunks too, or it would read empty tensors."""
         chunk_of = {id(s.param): self._slot_chunk[s.index] for s in self.slots}
+        chunk_by_name = {s.name: self._slot_chunk[s.index] for s in self.slots}
         unit_names = list(self.plan.fetch_units)
         units: dict[nn.Module, list[int]] = {}
         for name, mod in self.module.named_modules():
             if any(name.startswith(u + ".") for u in unit_names if u):
                 continue
             recurse = name in unit_names
-            cids = sorted({chunk_of[id(p)] for p in mod.parameters(recurse=recurse) if id(p) in chunk_of})
+            cids = {chunk_of[id(p)] for p in mod.parameters(recurse=recurse) if id(p) in chunk_of}
+            cids.update(chunk_by_name[p] for p in self.plan.borrowed.get(name, ()))
             if cids:
-                units[mod] = cids
+                units[mod] = sorted(cids)
         return units
 
     def _same_on_every_rank(self, order: list[int]) -> bool:
