@@ -310,10 +310,13 @@ class OddSizes(nn.Module):
         return self.norm(self.b(torch.relu(self.a(x)))).sum()
 
 
+ODD_BATCH = {"x": torch.zeros(2, 7)}  # what simple() traces OddSizes with
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bf16"])
 def test_parameter_offsets_and_shards_are_16_byte_aligned(dtype: str) -> None:
     model = OddSizes()
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=256, compute_dtype=dtype))
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=256, compute_dtype=dtype, example_batch=ODD_BATCH))
     item = em.dtype.itemsize
     assert len(em.chunks) == 1 and len(em.slots) == 6
     assert all(s.offset * item % 16 == 0 for s in em.slots)
@@ -326,7 +329,7 @@ def test_parameter_offsets_and_shards_are_16_byte_aligned(dtype: str) -> None:
 
 def _aligned_shards(rank: int, world_size: int) -> list[int]:
     model = OddSizes()
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=258, compute_dtype="bf16"))
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=258, compute_dtype="bf16", example_batch=ODD_BATCH))
     return [c.shard_size for c in em.chunks]
 
 
@@ -339,7 +342,7 @@ def test_alignment_gaps_are_zeroed_before_a_reduction() -> None:
     """Gaps between aligned parameters would otherwise carry garbage (NaN, inf) into the
     gradient shards, the clipping norm and the overflow check."""
     model = OddSizes()
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=256))
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=256, example_batch=ODD_BATCH))
     chunk = em.chunks[0]
     chunk.grad_buffer = torch.full((chunk.size,), float("nan"))
     chunk.grads_received = {s.index for s in chunk.slots}
