@@ -19,7 +19,21 @@ from tiny_models import make_batch
 STEPS, CHUNK = 3, 1024
 
 
+def _elixir_steps(em, eopt, ids: torch.Tensor, world_size: int) -> list[float]:
+    """STEPS clipped AdamW steps through hf_elixir; the loss averaged over the ranks."""
+    import torch.distributed as dist
 
+    losses = []
+    for _ in range(STEPS):
+        loss = em(input_ids=ids, labels=ids)["loss"]  # quirk models return a dict
+        eopt.backward(loss)
+        eopt.clip_grad_norm_(1.0)
+        eopt.step()
+        eopt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world_size)
+    return losses
 
 def reference(name: str) -> dict:
     model = make_quirk(name)
@@ -47,16 +61,7 @@ def _elixir(rank: int, world_size: int, name: str, rcache_blocks: int | None) ->
     em = hfe.ElixirModule(model, plan)
     eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
     ids = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
-    losses = []
-    for _ in range(STEPS):
-        loss = em(input_ids=ids, labels=ids)["loss"]
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+    losses = _elixir_steps(em, eopt, ids, world_size)
     em.eval()
     with torch.no_grad():
         logits = em(input_ids=make_batch(2, 12, seed=5))["logits"]
@@ -155,16 +160,7 @@ def _moe_elixir(rank: int, world_size: int) -> dict:
     em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096))
     eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
     rows = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
-    losses = []
-    for _ in range(STEPS):
-        loss = em(input_ids=rows, labels=rows).loss
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+    losses = _elixir_steps(em, eopt, rows, world_size)
     return {"losses": losses, "state": em.state_dict()}
 
 
