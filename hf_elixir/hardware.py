@@ -54,6 +54,11 @@ class HardwareProfile:
             the node's ranks).
         cpu_memory: host memory per node, bytes.
         context_bytes: device memory the runtime cannot use (CUDA context, NCCL buffers).
+        reduce_bandwidth: bus bandwidth of the runtime's gradient reduction, B/s (0: the same
+            as ``collective_bandwidth``; on gloo the runtime reduces with another algorithm).
+        compute: measured per-operator figures (``hf_elixir.calibrate.ComputeFigures`` as
+            dicts), ``"shared"`` for a rank sharing its node, ``"whole"`` for a lone process;
+            empty for presets, which derive them from the datasheet figures.
         sources: field name -> datasheet / published measurement / estimate / measured.
     """
 
@@ -74,6 +79,8 @@ class HardwareProfile:
     cpu_adam_throughput: float = 1.5e9
     cpu_memory: int = 512 * GiB
     context_bytes: int = 512 * 2**20
+    reduce_bandwidth: float = 0.0
+    compute: dict[str, dict] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
@@ -87,6 +94,31 @@ class HardwareProfile:
 
         return self.matmul_flops[canonical_dtype(dtype)] * self.matmul_efficiency
 
+    def compute_figures(self, ranks_per_node: int = 1):
+        """The per-operator figures of one rank (``hf_elixir.calibrate.ComputeFigures``).
+
+        Measured ones when this profile was calibrated; otherwise derived from the datasheet
+        figures: matmuls at ``matmul_rate`` whatever their size, other operators at 80% of
+        the memory bandwidth, and a typical dispatch cost per call.
+        """
+        from hf_elixir.calibrate import ComputeFigures, sharing
+
+        key = sharing(ranks_per_node)
+        data = self.compute.get(key) or next(iter(self.compute.values()), None)
+        if data:
+            return ComputeFigures.from_dict(data)
+        return ComputeFigures(
+            matmul_curve={k: [[1.0, v * self.matmul_efficiency]] for k, v in self.matmul_flops.items() if v > 0},
+            elementwise_bandwidth=0.8 * self.device_memory_bandwidth,
+            op_overhead=10e-6 if self.device_type == "cuda" else 5e-6,
+            adam_rate=self.device_adam_throughput, threads=1,
+        )
+
+    def reduce_rate(self, world_size: int | None = None) -> float:
+        """Bus bandwidth of the runtime's gradient reduction across ``world_size`` ranks."""
+        rate = self.collective_rate(world_size)
+        return min(rate, self.reduce_bandwidth) if self.reduce_bandwidth > 0 else rate
+
     def collective_rate(self, world_size: int | None = None) -> float:
         """Bus bandwidth of a collective spanning ``world_size`` ranks."""
         ws = self.world_size if world_size is None else world_size
@@ -97,7 +129,8 @@ class HardwareProfile:
     def with_cluster(self, gpus_per_node: int | None = None, nodes: int | None = None,
                      device_memory: int | None = None) -> "HardwareProfile":
         """A copy with another cluster shape or device memory."""
-        out = replace(self, sources=dict(self.sources), matmul_flops=dict(self.matmul_flops))
+        out = replace(self, sources=dict(self.sources), matmul_flops=dict(self.matmul_flops),
+                      compute={k: dict(v) for k, v in self.compute.items()})
         if gpus_per_node is not None:
             out.gpus_per_node = int(gpus_per_node)
         if nodes is not None:
@@ -364,22 +397,15 @@ def cache_path() -> Path:
 
 
 # ---------------------------------------------------------------------- calibration
-def _timeit(fn, repeat: int = 3, sync=None) -> float:
-    fn()
-    if sync:
-        sync()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        fn()
-        if sync:
-            sync()
-        best = min(best, time.perf_counter() - t)
-    return max(best, 1e-9)
-
-
 def calibrate_local(quick: bool = False) -> HardwareProfile:
-    """Measure this machine. Every figure it sets is marked "measured" in ``sources``."""
+    """Measure this machine. Every figure it sets is marked "measured" in ``sources``.
+
+    What the cost model prices a step with (matmul rate by size, element-wise bandwidth,
+    cost per operator, a transformer block's forward and backward, the runtime's AdamW and
+    collectives) is measured by ``hf_elixir.calibrate``; see its docstring.
+    """
+    from hf_elixir import calibrate as cal
+
     cuda = torch.cuda.is_available()
     prof = HardwareProfile.detect(use_cache=False)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -391,96 +417,37 @@ def calibrate_local(quick: bool = False) -> HardwareProfile:
     host = torch.empty(copy_elems, dtype=torch.float32, pin_memory=cuda)
     devbuf = torch.empty(copy_elems, dtype=torch.float32, device=dev)
     nbytes = copy_elems * 4
-    prof.h2d_bandwidth = nbytes / _timeit(lambda: devbuf.copy_(host, non_blocking=cuda), sync=sync)
-    prof.d2h_bandwidth = nbytes / _timeit(lambda: host.copy_(devbuf, non_blocking=cuda), sync=sync)
+    prof.h2d_bandwidth = nbytes / cal.best_time(lambda: devbuf.copy_(host, non_blocking=cuda), sync=sync)
+    prof.d2h_bandwidth = nbytes / cal.best_time(lambda: host.copy_(devbuf, non_blocking=cuda), sync=sync)
     other = torch.empty_like(devbuf)
-    prof.device_memory_bandwidth = 2 * nbytes / _timeit(lambda: other.copy_(devbuf), sync=sync)
+    prof.device_memory_bandwidth = 2 * nbytes / cal.best_time(lambda: other.copy_(devbuf), sync=sync)
     del host, devbuf, other
 
-    # matmul rate per dtype
-    n = (256 if quick else 1024) if not cuda else (2048 if quick else 8192)
-    flops = {}
-    for name, dt in (("float32", torch.float32), ("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-        try:
-            a = torch.randn(n, n, device=dev).to(dt)
-            b = torch.randn(n, n, device=dev).to(dt)
-            flops[name] = 2 * n**3 / _timeit(lambda: a @ b, repeat=2, sync=sync)
-        except RuntimeError:
-            flops[name] = 0.0
-    prof.matmul_flops = flops
+    # one process with every core (world size 1) ...
+    dtypes = ("float32", "bfloat16", "float16") if cuda else ("float32",)
+    whole = cal.measure_compute(dev, dtypes=dtypes, quick=quick)
+    prof.compute = {"whole": asdict(whole)}
+    prof.matmul_flops = {d: max(r for _, r in whole.matmul_curve[d]) for d in dtypes}
+    if not cuda:
+        prof.matmul_flops.update(bfloat16=0.0, float16=0.0)
     prof.matmul_efficiency = 1.0
+    prof.device_adam_throughput = whole.adam_rate
+    prof.cpu_adam_throughput = cal.adam_rate(torch.device("cpu"), (1 if quick else 8) * 2**20)
 
-    # AdamW throughput (fused where available), on the device and on the CPU
-    def adam_rate(device: torch.device, elems: int) -> float:
-        p = torch.zeros(elems, device=device, requires_grad=True)
-        p.grad = torch.zeros_like(p)
-        try:
-            opt = torch.optim.AdamW([p], lr=1e-3, fused=True)
-        except (RuntimeError, TypeError):
-            opt = torch.optim.AdamW([p], lr=1e-3, foreach=True)
-        s = torch.cuda.synchronize if device.type == "cuda" else None
-        return elems / _timeit(opt.step, repeat=2, sync=s)
-
-    adam_elems = (2 if quick else 32) * 2**20
-    prof.cpu_adam_throughput = adam_rate(torch.device("cpu"), adam_elems)
-    prof.device_adam_throughput = adam_rate(dev, adam_elems) if cuda else prof.cpu_adam_throughput
-
-    # collectives between two local processes (gloo on CPU, NCCL across two GPUs)
-    bw, lat = _measure_collective(quick=quick)
-    if bw is not None:
-        prof.collective_bandwidth, prof.collective_latency = bw, lat
-        src["collective_bandwidth"] = src["collective_latency"] = MEASURED
+    # ... and two at once: per-rank compute on a shared CPU, the runtime's collectives
+    pair = cal.measure_pair(quick=quick)
+    if pair is not None:
+        (prof.collective_bandwidth, prof.collective_latency) = pair.gather
+        prof.reduce_bandwidth = pair.reduce[0]
+        src["collective_bandwidth"] = src["collective_latency"] = src["reduce_bandwidth"] = MEASURED
+        if pair.compute:
+            prof.compute["shared"] = pair.compute
+            if not cuda:  # the host's AdamW rate is what all its ranks achieve together
+                prof.cpu_adam_throughput = 2 * pair.compute["adam_rate"]
 
     for k in ("h2d_bandwidth", "d2h_bandwidth", "device_memory_bandwidth", "matmul_flops",
-              "matmul_efficiency", "cpu_adam_throughput", "device_adam_throughput"):
+              "matmul_efficiency", "cpu_adam_throughput", "device_adam_throughput", "compute"):
         src[k] = MEASURED
     prof.sources = src
     prof.name = prof.name + " (calibrated)" if "calibrated" not in prof.name else prof.name
     return prof
-
-
-def _collective_worker(rank: int, world: int, port: int, elems: int, backend: str, out) -> None:
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        torch.cuda.set_device(rank)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        shard = torch.ones(elems // world, device=dev)
-        full = torch.empty(elems, device=dev)
-        tiny_s, tiny_f = torch.ones(world, device=dev), torch.empty(world * world, device=dev)
-        sync = torch.cuda.synchronize if backend == "nccl" else None
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        t_big = _timeit(lambda: gather(full, shard), repeat=3, sync=sync)
-        t_small = _timeit(lambda: gather(tiny_f, tiny_s), repeat=5, sync=sync)
-        if rank == 0:
-            busbw = elems * 4 * (world - 1) / world / max(t_big - t_small, 1e-9)
-            out.put((busbw, t_small))
-    finally:
-        dist.destroy_process_group()
-
-
-def _measure_collective(quick: bool = False) -> tuple[float | None, float]:
-    import torch.multiprocessing as mp
-
-    backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= 2 else "gloo"
-    if torch.cuda.is_available() and backend == "gloo":
-        return None, 0.0  # one GPU: no peer to measure against; keep the preset figure
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    elems = (2 if quick else 16) * 2**20
-    try:
-        procs = [ctx.Process(target=_collective_worker, args=(r, 2, port, elems, backend, q)) for r in range(2)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout=60)
-        if q.empty():
-            return None, 0.0
-        return q.get()
-    except Exception:
-        return None, 0.0

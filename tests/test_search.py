@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 from hf_elixir.hardware import GiB, HardwareProfile
 from hf_elixir.plan.cost import belady_misses, Access, pack
 from hf_elixir.plan.plan import PlanError
-from hf_elixir.plan.search import plan
+from hf_elixir.plan.search import OFFLOAD_MARGIN, plan
 from hf_elixir.plan.summary import summary
 from hf_elixir.profile import profile_model
 from hf_elixir.profile.configs import known_config
@@ -76,8 +76,8 @@ def test_search_properties_over_a_budget_sweep(request, fixture, world_size):
         assert p.predictions["peak_bytes"] <= b  # every plan fits its budget
         assert p.rcache_blocks >= 2
         if prev is not None:
-            # a larger budget never predicts a slower step
-            assert prev.predictions["step_time_s"] <= p.predictions["step_time_s"] * (1 + 1e-9)
+            # a larger budget never predicts a slower step (beyond the margin offloading must win by)
+            assert prev.predictions["step_time_s"] <= p.predictions["step_time_s"] * (1 + OFFLOAD_MARGIN + 1e-9)
             # shrinking the budget offloads monotonically more
             assert p.offload_fraction() >= prev.offload_fraction()
             assert (sum(c.param_placement == "cpu" for c in p.chunks) / p.n_chunks

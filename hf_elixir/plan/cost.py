@@ -33,15 +33,24 @@ the device optimizer and the CPU pipeline are done.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Iterable, Sequence
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
 
 from hf_elixir.hardware import HardwareProfile
 
-#: fraction added to the predicted bytes for allocator fragmentation
+#: fraction added to the predicted bytes for fragmentation of CUDA's caching allocator
 ALLOCATOR_MARGIN = 0.05
-#: full-chunk gradient buffers (compute dtype) alive at once during backward
-GRAD_BUFFER_CHUNKS = 2
+
+
+def allocator_margin(hw: HardwareProfile) -> float:
+    """The fragmentation margin for ``hw``'s allocator.
+
+    CUDA's caching allocator keeps freed blocks in size-binned pools, so its reserved bytes
+    run a few percent above the live tensors. PyTorch's CPU allocator has no cache (every free
+    goes straight back to malloc), so on a CPU device the live bytes are the whole story.
+    """
+    return ALLOCATOR_MARGIN if hw.device_type == "cuda" else 0.0
 #: bytes per element of optimizer state
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -66,6 +75,27 @@ def pack(order: Sequence[str], sizes: dict[str, int], chunk_size: int) -> list[l
         chunks[-1].append(name)
         used += n
     return chunks
+
+
+#: parameter offsets inside a chunk are aligned to this many bytes (the runtime lays chunks
+#: out this way: ``ElixirModule._layout``), and a chunk to W times it, so shards align too
+ALIGN_BYTES = 16
+
+
+def layout_sizes(chunks: Sequence[Sequence[str]], sizes: dict[str, int], world_size: int,
+                 elem_bytes: int) -> list[int]:
+    """Elements of each chunk as the runtime allocates it: its contents, each parameter
+    starting on an ``ALIGN_BYTES`` boundary, rounded up to W alignments. A chunk is as large
+    as what it holds, not ``chunk_size``."""
+    align = max(1, ALIGN_BYTES // elem_bytes)
+    out = []
+    for names in chunks:
+        end = 0
+        for name in names:
+            end = -(-end // align) * align + sizes[name]
+        unit = align * world_size
+        out.append(-(-end // unit) * unit)
+    return out
 
 
 def chunk_size_candidates(sizes: Iterable[int], world_size: int, limit: int = 8) -> list[int]:
@@ -113,25 +143,14 @@ class Access:
     seconds: float
 
 
-def access_sequence(events, module_params, module_flops, param_chunk: dict[str, int],
-                    step_flops: float, forward_flops: float, rate: float) -> list[Access]:
-    """Turn the trace into chunk accesses with a compute time each.
-
-    The step's FLOPs are spread over modules in proportion to the forward FLOPs the tracer
-    attributed to them (modules without matmuls get a small floor), backward counting twice
-    forward; the total matches the profiler's FLOP count.
-    """
-    base = {m: max(float(module_flops.get(m, 0)), 1.0) for m in module_params}
-    weights = []
-    for phase, m in events:
-        w = base.get(m, 1.0)
-        weights.append(2.0 * w if phase == "backward" else w)
-    total_w = sum(weights) or 1.0
-    seconds_total = step_flops / rate if rate > 0 else 0.0
+def access_sequence(events, module_params, work, param_chunk: dict[str, int],
+                    price: Callable[[Any], float]) -> list[Access]:
+    """Turn the trace into chunk accesses, each with the compute time of the operators that
+    run from it until the next one (``price`` of the trace's ``EventWork``)."""
     out = []
-    for (phase, m), w in zip(events, weights):
+    for (phase, m), w in zip(events, work):
         chunks = tuple(sorted({param_chunk[p] for p in module_params.get(m, []) if p in param_chunk}))
-        out.append(Access(phase, m, chunks, seconds_total * w / total_w))
+        out.append(Access(phase, m, chunks, price(w)))
     return out
 
 
@@ -141,28 +160,6 @@ def max_span(module_params, param_chunk: dict[str, int]) -> int:
     for params in module_params.values():
         span = max(span, len({param_chunk[p] for p in params if p in param_chunk}))
     return span
-
-
-def grad_buffer_chunks(seq: Sequence[Access], n_chunks: int) -> int:
-    """Full-chunk gradient buffers alive at once in backward.
-
-    A chunk's buffer lives from the first backward access of any of its parameters until the
-    last (then it is reduce-scattered and freed); tied weights used at both ends of the model
-    keep theirs open across the whole backward. Two more cover the reductions in flight
-    (the runtime's ledger shows up to two chunks finishing their reduce-scatter at once).
-    """
-    first: dict[int, int] = {}
-    last: dict[int, int] = {}
-    for i, a in enumerate(seq):
-        if a.phase != "backward":
-            continue
-        for c in a.chunks:
-            first.setdefault(c, i)
-            last[c] = i
-    best = 0
-    for i in range(len(seq)):
-        best = max(best, sum(1 for c in first if first[c] <= i <= last[c]))
-    return max(GRAD_BUFFER_CHUNKS, best + 2)  # not capped at n_chunks: see the ledger
 
 
 def belady_misses(seq: Sequence[Access], n_chunks: int, blocks: int) -> list[tuple[int, ...]]:
@@ -213,25 +210,87 @@ class SimResult:
     gather_bytes: float
     rs_done: list[float]  # per chunk: when its reduce-scattered gradient shard is ready
     h2d_param_bytes: float
+    runtime_copies: float = 0.0  # compute-stream time of the runtime's own copies
+    grad_buffers: list[float] = field(default_factory=list)  # per access: bytes of gradient buffers alive
+    buffer_spans: list[tuple[int, int]] = field(default_factory=list)  # per chunk: accesses [first, end)
+
+    def buffers_of(self, chunks: Iterable[int], chunk_bytes: Sequence[float]) -> list[float]:
+        """Per access, the bytes of gradient buffers alive among ``chunks`` only."""
+        delta = [0.0] * (len(self.grad_buffers) + 1)
+        for c in chunks:
+            first, end = self.buffer_spans[c]
+            if first >= 0:
+                delta[first] += chunk_bytes[c]
+                delta[end] -= chunk_bytes[c]
+        out, run = [], 0.0
+        for d in delta[:-1]:
+            run += d
+            out.append(run)
+        return out
 
 
-def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], n_chunks: int,
-             chunk_bytes: float, world_size: int, hw: HardwareProfile, prefetch: int,
+@dataclass
+class Links:
+    """What one collective or copy costs: the figures ``simulate`` prices chunks with."""
+
+    latency: float     # seconds per collective call
+    gather_per_byte: float  # seconds per byte of a chunk all-gathered (communication stream)
+    reduce_per_byte: float  # seconds per byte of a chunk's gradient reduced
+    h2d_per_byte: float     # seconds per byte copied host -> device
+    copy_per_byte: float    # compute-stream seconds per byte the runtime copies itself
+    overlap: float          # share of communication that can hide behind compute (0..1)
+
+    def gather(self, chunk_bytes: float) -> float:
+        return self.latency + chunk_bytes * self.gather_per_byte if self.gather_per_byte else 0.0
+
+    def reduce(self, chunk_bytes: float) -> float:
+        return self.latency + chunk_bytes * self.reduce_per_byte if self.reduce_per_byte else 0.0
+
+    @classmethod
+    def of(cls, hw: HardwareProfile, world_size: int, figs) -> "Links":
+        W = world_size
+        if W > 1:  # a ring moves (W-1)/W of the chunk through each rank's link
+            latency = hw.collective_latency
+            gather = (W - 1) / W / hw.collective_rate(W)
+            reduce = (W - 1) / W / hw.reduce_rate(W)
+        else:  # one rank: the block is the shard, the gradient adds into it (no copy)
+            latency = gather = reduce = 0.0
+        # On a CPU the collectives run on the same cores as compute: when every core already
+        # runs a rank's thread, nothing hides behind compute. A GPU's copy engines and NCCL
+        # kernels run beside the compute kernels.
+        if hw.device_type == "cpu":
+            cores = os.cpu_count() or 1
+            overlap = max(0.0, 1.0 - min(W, hw.gpus_per_node) * figs.threads / cores)
+        else:
+            overlap = 1.0
+        return cls(latency=latency, gather_per_byte=gather, reduce_per_byte=reduce,
+                   h2d_per_byte=1.0 / hw.h2d_bandwidth, copy_per_byte=1.0 / figs.elementwise_bandwidth,
+                   overlap=overlap)
+
+
+def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes: Sequence[float],
+             world_size: int, links: Links, prefetch: int,
              param_cpu: set[int] | frozenset = frozenset()) -> SimResult:
-    """Event simulation of compute and the communication stream for one step."""
-    W = world_size
-    shard_bytes = chunk_bytes / W
-    if W > 1:
-        bw = hw.collective_rate(W)
-        coll = hw.collective_latency + chunk_bytes * (W - 1) / W / bw
-    else:  # one rank: a device-side copy of the chunk into/out of the cache block
-        coll = chunk_bytes / hw.device_memory_bandwidth
-    h2d = shard_bytes / hw.h2d_bandwidth
+    """Event simulation of compute and the communication stream for one step.
 
+    Besides the model's own operators, the compute stream carries the runtime's copies: a
+    rank's shard into the gathered block, and each chunk's parameter gradients into its
+    full-chunk gradient buffer (read and written once) when its last backward user ran.
+    The buffer lives from the chunk's first backward use until its reduction completes;
+    ``grad_buffers`` holds their bytes per access for the memory model. ``chunk_bytes``:
+    each chunk's size as laid out (``layout_sizes``) times the compute dtype's bytes.
+    """
+    W = world_size
+    n_chunks = len(chunk_bytes)
+    coll = [links.gather(b) for b in chunk_bytes]
+    red = [links.reduce(b) for b in chunk_bytes]
+    first_bwd = [-1] * n_chunks
     last_bwd = [-1] * n_chunks
     for i, a in enumerate(seq):
         if a.phase == "backward":
             for c in a.chunks:
+                if first_bwd[c] < 0:
+                    first_bwd[c] = i
                 last_bwd[c] = i
     finishing: list[list[int]] = [[] for _ in seq]
     for c, i in enumerate(last_bwd):
@@ -243,18 +302,20 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], n_chunks: i
     busy = 0.0
     gathers = 0
     h2d_bytes = 0.0
+    copies = 0.0
     done = [0.0] * len(seq)
     issued = [False] * len(seq)
     rs_done = [0.0] * n_chunks
+    starts = [0.0] * len(seq)
 
     def issue(e: int, at: float) -> None:
         nonlocal comm, busy, gathers, h2d_bytes
         issued[e] = True
         end = at
         for c in misses[e]:
-            dur = coll + (h2d if c in param_cpu else 0.0)
+            dur = coll[c] + (chunk_bytes[c] / W * links.h2d_per_byte if c in param_cpu else 0.0)
             if c in param_cpu:
-                h2d_bytes += shard_bytes
+                h2d_bytes += chunk_bytes[c] / W
             start = max(comm, at)
             comm = start + dur
             busy += dur
@@ -264,32 +325,63 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], n_chunks: i
 
     E = len(seq)
     compute = 0.0
+    per_byte = links.copy_per_byte
     for e in range(E):
         if not issued[e]:
             issue(e, t)
         start = max(t, done[e])
+        starts[e] = start
         for f in range(e + 1, min(E, e + 1 + prefetch)):
             if not issued[f]:
                 issue(f, start)
-        t = start + seq[e].seconds
-        compute += seq[e].seconds
+        work = (seq[e].seconds + sum(2 * chunk_bytes[c] * per_byte for c in finishing[e])
+                + (sum(2 * chunk_bytes[c] / W * per_byte for c in misses[e]) if W > 1 else 0.0))
+        copies += work - seq[e].seconds
+        t = start + work
+        compute += work
         for c in finishing[e]:
             s = max(comm, t)
-            comm = s + coll
-            busy += coll
+            comm = s + red[c]
+            busy += red[c]
             rs_done[c] = comm
     for c in range(n_chunks):
         if last_bwd[c] < 0:  # never used in backward (unused parameters): reduced at the end
             s = max(comm, t)
-            comm = s + coll
-            busy += coll
+            comm = s + red[c]
+            busy += red[c]
             rs_done[c] = comm
-    return SimResult(backward_end=max(t, comm), compute=compute, comm_busy=busy, gathers=gathers,
-                     gather_bytes=gathers * chunk_bytes * (W - 1) / max(W, 1),
-                     rs_done=rs_done, h2d_param_bytes=h2d_bytes)
+    end = max(t, comm)
+    hidden = busy - (end - compute)
+    end += (1.0 - links.overlap) * max(0.0, hidden)
+    spans = []
+    for c in range(n_chunks):
+        end_e = next((e for e in range(max(first_bwd[c], 0), E) if starts[e] >= rs_done[c]), E)
+        spans.append((first_bwd[c], end_e))
+    sim_buffers = SimResult(0, 0, 0, 0, 0, [], 0, buffer_spans=spans, grad_buffers=[0.0] * E)
+    buffers = sim_buffers.buffers_of(range(n_chunks), chunk_bytes)
+    gathered = sum(chunk_bytes[c] for m in misses for c in m)
+    return SimResult(backward_end=end, compute=compute, comm_busy=busy, gathers=gathers,
+                     gather_bytes=gathered * (W - 1) / max(W, 1),
+                     rs_done=rs_done, h2d_param_bytes=h2d_bytes, runtime_copies=copies,
+                     grad_buffers=buffers, buffer_spans=spans)
 
 
-def cpu_pipeline(rs_done: Sequence[float], backward_end: float, shard_elems: int,
+def after_backward(shard_elems: float, offloaded_elems: float, compute_bytes: int,
+                   figs, hw: HardwareProfile, world_size: int) -> float:
+    """Compute-stream seconds from the end of backward to the end of the step on a rank
+    whose optimizer shares its cores with compute (a CPU device): clipping reads every fp32
+    gradient shard, the fused AdamW updates every shard (offloaded or not: the same cores),
+    offloaded shards are copied out and back, and the gradient shards are zeroed."""
+    grad_bytes = shard_elems * 4
+    t = 2 * grad_bytes / figs.elementwise_bandwidth  # the norm's read, the zeroing's write
+    t += shard_elems / figs.adam_rate
+    t += offloaded_elems * compute_bytes * (1 / hw.d2h_bandwidth + 1 / hw.h2d_bandwidth)
+    if world_size > 1:
+        t += 2 * hw.collective_latency  # the norm's and the late chunks' all-reduces
+    return t
+
+
+def cpu_pipeline(rs_done: Sequence[float], backward_end: float, elems: Sequence[int], world_size: int,
                  compute_bytes: int, hw: HardwareProfile, ranks_per_node: int) -> list[float]:
     """End time of the CPU optimizer when the last k chunks are offloaded, for k = 0..n.
 
@@ -301,18 +393,17 @@ def cpu_pipeline(rs_done: Sequence[float], backward_end: float, shard_elems: int
     of the updated compute-dtype shard.
     """
     n = len(rs_done)
-    d2h = shard_elems * compute_bytes / hw.d2h_bandwidth
-    h2d = shard_elems * compute_bytes / hw.h2d_bandwidth
-    cpu = shard_elems / (hw.cpu_adam_throughput / max(1, ranks_per_node))
+    rate = hw.cpu_adam_throughput / max(1, ranks_per_node)
     ends = [0.0]
     link = 0.0
     free = backward_end
     end = 0.0
     for j in range(n - 1, -1, -1):
-        link = max(link, rs_done[j]) + d2h
+        shard = elems[j] / world_size
+        link = max(link, rs_done[j]) + shard * compute_bytes / hw.d2h_bandwidth
         start = max(link, free)
-        free = start + cpu
-        end = max(end, free + h2d)
+        free = start + shard / rate
+        end = max(end, free + shard * compute_bytes / hw.h2d_bandwidth)
         ends.append(end)
     return ends
 
@@ -346,28 +437,50 @@ class MemoryBreakdown:
         }
 
 
-def memory(n_chunks: int, chunk_size: int, world_size: int, compute_dtype: str, optimizer: str,
+def aligned_peak(live: Sequence[tuple[int, int]], buffers: Sequence[float]) -> tuple[float, float]:
+    """(activation bytes, gradient buffer bytes) at the instant their sum peaks.
+
+    Activations peak around the loss, gradient buffers later in backward, when most
+    activations are already freed; adding the two peaks would count memory that never
+    coexists. ``live`` is the trace's per-event activation peak, ``buffers`` the simulated
+    bytes of full-chunk gradient buffers alive during the same event.
+    """
+    best, at = -1.0, (0.0, 0.0)
+    for (_, top), buf in zip(live, buffers):
+        if top + buf > best:
+            best, at = top + buf, (float(top), float(buf))
+    return at
+
+
+def memory(elems: Sequence[int], world_size: int, compute_dtype: str, optimizer: str,
            rcache_blocks: int, n_optim_cpu: int, n_param_cpu: int, activation_bytes: float,
-           frozen_bytes: float, context_bytes: float, grad_buffers: int | None = None) -> MemoryBreakdown:
+           frozen_bytes: float, context_bytes: float, grad_buffer_bytes: float,
+           margin_fraction: float = ALLOCATOR_MARGIN) -> MemoryBreakdown:
     """Predicted peak device bytes per rank (see the module docstring for each category).
 
-    Offloaded chunks are the last ``n_optim_cpu`` (optimizer) and last ``n_param_cpu``
-    (parameters; always within the optimizer-offloaded ones).
+    ``elems``: each chunk's elements as laid out (``layout_sizes``). Offloaded chunks are the
+    last ``n_optim_cpu`` (optimizer) and last ``n_param_cpu`` (parameters; always within the
+    optimizer-offloaded ones). ``activation_bytes`` and ``grad_buffer_bytes`` are taken at
+    the same instant (``aligned_peak``).
     """
     cb = DTYPE_BYTES[compute_dtype]
-    shard = chunk_size // world_size
-    dev_params = n_chunks - n_param_cpu
-    dev_optim = n_chunks - n_optim_cpu
+    n = len(elems)
+    W = world_size
+    dev_param_elems = sum(elems[: n - n_param_cpu]) / W
+    dev_optim_elems = sum(elems[: n - n_optim_cpu]) / W
     aliased = compute_dtype == "float32"
+    # blocks are made on first use and kept; at most rcache_blocks of them, the largest chunks
+    # at worst; at world size 1 a chunk whose shard is on the device is its own block
+    needing = elems if W > 1 else elems[n - n_param_cpu:]
+    blocks = sorted(needing, reverse=True)[: rcache_blocks]
     m = MemoryBreakdown(
-        parameters=dev_params * shard * cb,
-        master_weights=0.0 if aliased else dev_optim * shard * 4,
-        optimizer_state=dev_optim * shard * OPTIMIZER_STATE_BYTES[optimizer],
-        gradients=dev_optim * shard * 4
-        + (min(GRAD_BUFFER_CHUNKS, n_chunks) if grad_buffers is None else grad_buffers) * chunk_size * cb,
-        rcache=rcache_blocks * chunk_size * cb,
+        parameters=dev_param_elems * cb,
+        master_weights=0.0 if aliased else dev_optim_elems * 4,
+        optimizer_state=dev_optim_elems * OPTIMIZER_STATE_BYTES[optimizer],
+        gradients=dev_optim_elems * 4 + grad_buffer_bytes,
+        rcache=sum(blocks) * cb,
         activations=activation_bytes,
         frozen=frozen_bytes,
     )
-    m.margin = ALLOCATOR_MARGIN * m.total() + context_bytes
+    m.margin = margin_fraction * m.total() + context_bytes
     return m

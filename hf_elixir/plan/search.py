@@ -7,11 +7,13 @@ depth 0-2, the number of tail chunks whose optimizer runs on the CPU, and, with 
 optimizer offloaded, the number of tail chunks whose parameters also live on the CPU.
 
 Selection. Candidates are ranked by (predicted step time, bytes communicated, bytes over
-PCIe, peak memory). Before the budget is applied they are reduced to a *chain*: walking from
+PCIe, peak memory), where a plan that offloads anything is charged ``OFFLOAD_MARGIN`` (2%)
+more time: offloading must win clearly to be chosen. Before the budget is applied they are reduced to a *chain*: walking from
 the smallest predicted peak upward, a candidate is kept only if it is faster than every
 smaller one kept so far and offloads no more than they do. The plan for a budget is the
 last chain element that fits. Hence, by construction: a larger budget never predicts a
-slower step; a smaller budget never offloads less (a plan that offloads to win a little time
+slower step; a smaller budget never offloads less; a larger budget never predicts a step slower by more than the
+offload margin (a plan that offloads to win a little time
 is not chosen over one that needs less memory and offloads nothing — the predicted overlap
 of CPU work is the least certain part of the model); whatever fits at all, some plan is
 returned (the smallest candidate heads the chain); with room for everything the fastest
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from hf_elixir import calibrate
 from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
 from hf_elixir.plan import cost
 from hf_elixir.plan.needs import rcache_minimum
@@ -36,6 +39,9 @@ from hf_elixir.profile.profiler import ModelProfile, profile_model
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PREFETCH_DEPTHS = (0, 1, 2)
+#: an offloading plan must be predicted this much faster to be chosen over one that does not
+#: offload: its overlap with compute is the least certain part of the cost model
+OFFLOAD_MARGIN = 0.02
 MAX_GRID = 128
 
 
@@ -65,7 +71,10 @@ class Candidate:
         return self.n_param_cpu / self.n_chunks
 
     def key(self) -> tuple:
-        return (round(self.step_time * 1e9), round(self.comm_bytes), round(self.pcie_bytes), self.peak)
+        """What the search ranks by: predicted time, offloading plans charged
+        ``OFFLOAD_MARGIN`` extra (see the module docstring), then bytes moved, then memory."""
+        margin = 1.0 + OFFLOAD_MARGIN if (self.n_optim_cpu or self.n_param_cpu) else 1.0
+        return (round(self.step_time * margin * 1e9), round(self.comm_bytes), round(self.pcie_bytes), self.peak)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -103,9 +112,10 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     sizes = {p.name: p.numel for p in profile.params}
     order = profile.param_order()
     cb = cost.DTYPE_BYTES[compute_dtype]
-    rate = hw.matmul_rate(compute_dtype)
-    frozen = profile.frozen_bytes + profile.buffer_bytes
     ranks_per_node = min(world_size, hw.gpus_per_node)
+    figs = hw.compute_figures(ranks_per_node)
+    price = lambda w: calibrate.price(w, figs, compute_dtype)  # noqa: E731
+    frozen = profile.frozen_bytes + profile.buffer_bytes
     context = hw.context_bytes if hw.device_type == "cuda" else 0
     modes = [False] + ([True] if profile.checkpointed is not None else [])
     packings: dict[int, list[list[str]]] = {}
@@ -115,53 +125,83 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
         packings[S] = chunks
         n = len(chunks)
         param_chunk = {name: i for i, c in enumerate(chunks) for name in c}
-        shard = S // world_size
-        chunk_bytes = S * cb
+        elems = cost.layout_sizes(chunks, sizes, world_size, cb)
+        chunk_bytes = [e * cb for e in elems]
+        links = cost.Links.of(hw, world_size, figs)
         for ckpt in modes:
             step = profile.step(ckpt)
             tr = step.trace
-            seq = cost.access_sequence(tr.events, tr.module_params, tr.module_flops, param_chunk,
-                                       step.memory.flops, step.memory.forward_flops, rate)
+            seq = cost.access_sequence(tr.events, tr.module_params, tr.work, param_chunk, price)
             span = cost.max_span(tr.module_params, param_chunk)
             nested = rcache_minimum(tr.pins, tr.module_params, chunks)
-            act = step.memory.peak
-            gbufs = cost.grad_buffer_chunks(seq, n)
+            live = tr.live or [(0, step.memory.peak)] * len(seq)
+            ctx = _Context(S, n, ckpt, elems, cb, world_size, compute_dtype, optimizer, frozen,
+                           context, hw, figs, live)
             for d in PREFETCH_DEPTHS:
                 r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
                     misses = cost.belady_misses(seq, n, R)
-                    sim = cost.simulate(seq, misses, n, chunk_bytes, world_size, hw, d)
-                    cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, shard, cb, hw, ranks_per_node)
+                    sim = cost.simulate(seq, misses, chunk_bytes, world_size, links, d)
+                    cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw, ranks_per_node)
                     for k in _grid(0, n):
-                        out.append(_candidate(S, n, ckpt, R, d, k, 0, sim, cpu_end[k], shard, cb,
-                                              world_size, compute_dtype, optimizer, act, frozen,
-                                              context, hw, gbufs))
+                        out.append(_candidate(ctx, R, d, k, 0, sim, cpu_end[k]))
                     if d == 1 and R == r_min:
                         # parameters offloaded too (with every optimizer state on the CPU)
                         for p in _grid(1, n, 16):
-                            sim_p = cost.simulate(seq, misses, n, chunk_bytes, world_size, hw, d,
+                            sim_p = cost.simulate(seq, misses, chunk_bytes, world_size, links, d,
                                                   param_cpu=frozenset(range(n - p, n)))
-                            cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, shard, cb, hw, ranks_per_node)
-                            out.append(_candidate(S, n, ckpt, R, d, n, p, sim_p, cpu_end_p[n], shard,
-                                                  cb, world_size, compute_dtype, optimizer, act,
-                                                  frozen, context, hw, gbufs))
+                            cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
+                            out.append(_candidate(ctx, R, d, n, p, sim_p, cpu_end_p[n]))
     return out, packings
 
 
-def _candidate(S, n, ckpt, R, d, k, p, sim: cost.SimResult, cpu_end, shard, cb, W, dtype,
-               optimizer, act, frozen, context, hw: HardwareProfile, gbufs: int) -> Candidate:
-    mem = cost.memory(n, S, W, dtype, optimizer, R, k, p, act, frozen, context, gbufs)
-    dev_opt = (n - k) * shard / hw.device_adam_throughput
-    device_end = sim.backward_end + dev_opt
-    step = max(device_end, cpu_end)
+@dataclass
+class _Context:
+    """What every candidate of one (chunk size, checkpointing) pair shares."""
+
+    S: int
+    n: int
+    ckpt: bool
+    elems: list[int]
+    cb: int
+    W: int
+    dtype: str
+    optimizer: str
+    frozen: float
+    context: float
+    hw: HardwareProfile
+    figs: Any
+    live: list
+
+
+def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult, cpu_end: float) -> Candidate:
+    hw, n, cb, W = x.hw, x.n, x.cb, x.W
+    # one rank adds gradients straight into device gradient shards: only chunks whose
+    # optimizer (and so gradient shard) is offloaded need a full-chunk buffer
+    buffers = sim.grad_buffers if W > 1 else sim.buffers_of(range(n - k, n), [e * cb for e in x.elems])
+    act, buf = cost.aligned_peak(x.live, buffers)
+    mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, k, p, act, x.frozen, x.context, buf,
+                      cost.allocator_margin(hw))
+    shards = [e / W for e in x.elems]
+    off, off_params = sum(shards[n - k:]), sum(shards[n - p:])
+    if hw.device_type == "cpu":  # optimizer, clipping and offload copies share the rank's cores
+        dev_opt = cost.after_backward(sum(shards), off, cb, x.figs, hw, W)
+        step = sim.backward_end + dev_opt
+        cpu_time = off / x.figs.adam_rate
+        exposed_cpu = 0.0
+    else:
+        dev_opt = (sum(shards) - off) / hw.device_adam_throughput
+        device_end = sim.backward_end + dev_opt
+        step = max(device_end, cpu_end)
+        cpu_time = off / (hw.cpu_adam_throughput / max(1, min(W, hw.gpus_per_node)))
+        exposed_cpu = max(0.0, cpu_end - device_end)
     # offloaded chunks: gradient shard down, updated parameters up (skipped when they stay on CPU)
-    pcie = k * shard * cb + (k - p) * shard * cb + sim.h2d_param_bytes
-    cpu_time = k * shard / (hw.cpu_adam_throughput / max(1, min(W, hw.gpus_per_node)))
+    pcie = off * cb + (off - off_params) * cb + sim.h2d_param_bytes
     return Candidate(
-        chunk_size=S, n_chunks=n, checkpointing=ckpt, rcache_blocks=R, prefetch_depth=d,
+        chunk_size=x.S, n_chunks=n, checkpointing=x.ckpt, rcache_blocks=R, prefetch_depth=d,
         n_optim_cpu=k, n_param_cpu=p, peak=mem.total(), step_time=step,
-        comm_bytes=sim.gather_bytes + n * S * cb * (W - 1) / W, pcie_bytes=pcie,
+        comm_bytes=sim.gather_bytes + sum(x.elems) * cb * (W - 1) / W, pcie_bytes=pcie,
         memory=mem.as_dict(),
         time={
             "compute": sim.compute,
@@ -170,7 +210,7 @@ def _candidate(S, n, ckpt, R, d, k, p, sim: cost.SimResult, cpu_end, shard, cb, 
             "device_optimizer": dev_opt,
             "cpu_optimizer": cpu_time,
             "pcie": pcie / hw.h2d_bandwidth,
-            "exposed_cpu": max(0.0, cpu_end - device_end),
+            "exposed_cpu": exposed_cpu,
             "step": step,
         },
         gathers=sim.gathers,
@@ -179,7 +219,8 @@ def _candidate(S, n, ckpt, R, d, k, p, sim: cost.SimResult, cpu_end, shard, cb, 
 
 def chain(cands: list[Candidate]) -> list[Candidate]:
     """The budget-independent selection chain (see the module docstring)."""
-    ordered = sorted(cands, key=lambda c: (c.peak, c.key()))
+    # among equals, the largest rCache (at world size 1 it costs nothing: shards are blocks)
+    ordered = sorted(cands, key=lambda c: (c.peak, c.key(), -c.rcache_blocks))
     kept: list[Candidate] = []
     for c in ordered:
         if not kept:
@@ -258,32 +299,48 @@ def plan(
     if not fitting:
         raise _infeasible(profile, model, example_batch, cands, budget, hw, W, compute_dtype, optimizer)
     best = fitting[-1]
+    timing = {"candidates": len(cands), "profile_seconds": t_prof,
+              "search_seconds": time.perf_counter() - t0 - t_prof}
+    result = materialize(best, packings[best.chunk_size], profile, hw, W, compute_dtype, optimizer,
+                         budget, extra=timing)
+    result.alternatives = _alternatives(best, cands, path, budget, alternatives)
+    return result
 
-    chunks = packings[best.chunk_size]
+
+def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw: HardwareProfile,
+                world_size: int, compute_dtype: str, optimizer: str, budget: float,
+                extra: dict[str, Any] | None = None) -> ElixirPlan:
+    """The ``ElixirPlan`` of one candidate, with its predictions.
+
+    The search calls it for the plan it chooses; ``candidate_plans`` for runners-up, so a
+    benchmark can run every candidate it compares with the same code path.
+    """
+    W = world_size
     sizes = {p.name: p.numel for p in profile.params}
     n = len(chunks)
     plan_chunks = [
-        ChunkPlan(params=list(c),
-                  optim_placement="cpu" if i >= n - best.n_optim_cpu else "device",
-                  param_placement="cpu" if i >= n - best.n_param_cpu else "device",
-                  numel=sum(sizes[name] for name in c))
-        for i, c in enumerate(chunks)
+        ChunkPlan(params=list(ch),
+                  optim_placement="cpu" if i >= n - c.n_optim_cpu else "device",
+                  param_placement="cpu" if i >= n - c.n_param_cpu else "device",
+                  numel=sum(sizes[name] for name in ch))
+        for i, ch in enumerate(chunks)
     ]
     named = [(p.name, torch.empty(p.shape, device="meta")) for p in profile.params]
     tokens = profile.batch_size * profile.seq_len * W
+    step = profile.step(c.checkpointing)
     predictions = {
-        "peak_bytes": int(best.peak),
+        "peak_bytes": int(c.peak),
         "budget_bytes": int(budget),
-        "memory": dict(best.memory),
-        "step_time_s": best.step_time,
-        "time": dict(best.time),
-        "tokens_per_s": tokens / best.step_time if best.step_time > 0 else None,
-        "gathers_per_step": best.gathers,
-        "comm_bytes_per_step": int(best.comm_bytes),
-        "pcie_bytes_per_step": int(best.pcie_bytes),
+        "memory": dict(c.memory),
+        "step_time_s": c.step_time,
+        "time": dict(c.time),
+        "tokens_per_s": tokens / c.step_time if c.step_time > 0 else None,
+        "gathers_per_step": c.gathers,
+        "comm_bytes_per_step": int(c.comm_bytes),
+        "pcie_bytes_per_step": int(c.pcie_bytes),
         "activation_peak_bytes": {"plain": profile.plain.memory.peak,
                                   "checkpointed": profile.checkpointed.memory.peak if profile.checkpointed else None},
-        "step_flops": profile.step(best.checkpointing).memory.flops,
+        "step_flops": step.memory.flops,
         "hardware": hw.name,
         "device_type": hw.device_type,
         "optimizer": optimizer,
@@ -291,29 +348,51 @@ def plan(
         "seq_len": profile.seq_len,
         "model": profile.model_name,
         "n_params": profile.n_params,
-        "candidates": len(cands),
-        "profile_seconds": t_prof,
-        "search_seconds": time.perf_counter() - t0 - t_prof,
-        "margin": {"allocator_fraction": cost.ALLOCATOR_MARGIN,
+        "margin": {"allocator_fraction": cost.allocator_margin(hw),
                    "context_bytes": hw.context_bytes if hw.device_type == "cuda" else 0},
+        **(extra or {}),
     }
-    result = ElixirPlan(
+    return ElixirPlan(
         world_size=W,
-        chunk_size=best.chunk_size,
+        chunk_size=c.chunk_size,
         chunks=plan_chunks,
         compute_dtype=compute_dtype,
-        rcache_blocks=best.rcache_blocks,
-        activation_checkpointing=best.checkpointing,
-        prefetch_depth=best.prefetch_depth,
+        rcache_blocks=c.rcache_blocks,
+        activation_checkpointing=c.checkpointing,
+        prefetch_depth=c.prefetch_depth,
         fetch_units=list(profile.fetch_units),
         borrowed={m: list(ps) for m, ps in profile.borrowed.items()},
-        min_rcache_blocks=rcache_minimum(profile.step(best.checkpointing).trace.pins,
-                                         profile.step(best.checkpointing).trace.module_params, chunks),
+        min_rcache_blocks=rcache_minimum(step.trace.pins, step.trace.module_params, chunks),
         signature=model_signature(named),
         predictions=predictions,
-        alternatives=_alternatives(best, cands, path, budget, alternatives),
     )
-    return result
+
+
+def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: HardwareProfile | str,
+                    optimizer: str = "adamw") -> list[ElixirPlan]:
+    """The chosen plan's runners-up (``chosen.alternatives``) as runnable plans.
+
+    Each is re-evaluated by the same cost model, so its predictions are the ones the search
+    compared; the budget is the chosen plan's.
+    """
+    hw = _resolve_hardware(hardware, chosen.world_size)
+    W, dtype = chosen.world_size, chosen.compute_dtype
+    cands, packings = enumerate_candidates(profile, hw, W, dtype, optimizer)
+    keyed = {_signature(c): c for c in cands}
+    out = []
+    for alt in chosen.alternatives:
+        sig = (alt["chunk_size"], alt["activation_checkpointing"], alt["rcache_blocks"],
+               alt["prefetch_depth"], alt["optim_offload_chunks"], alt["param_offload_chunks"])
+        c = keyed[sig]
+        p = materialize(c, packings[c.chunk_size], profile, hw, W, dtype, optimizer,
+                        chosen.predictions.get("budget_bytes", c.peak))
+        p.predictions["reason"] = alt.get("reason", "")
+        out.append(p)
+    return out
+
+
+def _signature(c: Candidate) -> tuple:
+    return (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu)
 
 
 def _resolve_hardware(hardware, world_size) -> HardwareProfile:
@@ -350,11 +429,10 @@ def _alternatives(best: Candidate, cands: list[Candidate], path: list[Candidate]
                   limit: int) -> list[dict[str, Any]]:
     """The best few losers, one per distinct reason, each with why it lost."""
     out: list[dict[str, Any]] = []
-    seen: set[tuple] = {(best.chunk_size, best.checkpointing, best.rcache_blocks, best.prefetch_depth,
-                         best.n_optim_cpu, best.n_param_cpu)}
+    seen: set[tuple] = {_signature(best)}
 
     def add(c: Candidate, reason: str) -> None:
-        sig = (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu)
+        sig = _signature(c)
         if sig in seen or len(out) >= limit:
             return
         seen.add(sig)
@@ -424,8 +502,9 @@ def _largest_batch(profile: ModelProfile, model, cands: list[Candidate], budget:
     for c in cands:
         act = c.memory["activations"]
         rest = c.peak - c.memory["margin"] - act
-        ctx = c.memory["margin"] - cost.ALLOCATOR_MARGIN * (rest + act)
-        room = (budget - ctx) / (1 + cost.ALLOCATOR_MARGIN) - rest
+        frac = cost.allocator_margin(hw)
+        ctx = c.memory["margin"] - frac * (rest + act)
+        room = (budget - ctx) / (1 + frac) - rest
         if room <= 0 or act <= 0:
             continue
         best = max(best, int(room / (act / B)))

@@ -30,7 +30,7 @@ def _row(label: str, d: dict[str, Any]) -> list[str]:
 
 
 # The search's rule (search.py's docstring), stated where the choice is shown.
-CHOICE_RULE = "chosen: fastest that fits, unless faster means offloading more"
+CHOICE_RULE = "chosen: fastest that fits; offloading must be >2% faster, and never more to be faster"
 
 
 def chosen_as_dict(plan) -> dict[str, Any]:

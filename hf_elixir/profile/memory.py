@@ -71,6 +71,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self.count_flops = count_flops
         self.marks: dict[str, tuple[int, int]] = {}
         self.on_flops: Callable[[int], None] | None = None
+        #: called for every operator with (FLOPs, bytes it reads and writes): the per-event
+        #: work the cost model prices (see ``hf_elixir.profile.trace.EventWork``)
+        self.on_op: Callable[[int, int], None] | None = None
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (it existed before the step)."""
@@ -119,6 +122,7 @@ class LiveStorageTracker(TorchDispatchMode):
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor):
                 self._track(t)
+        n = 0
         if self.count_flops and _FLOP_REGISTRY:
             fn = _FLOP_REGISTRY.get(func._overloadpacket)
             if fn is not None:
@@ -129,7 +133,33 @@ class LiveStorageTracker(TorchDispatchMode):
                 self.flops += n
                 if self.on_flops is not None:
                     self.on_flops(n)
+        if self.on_op is not None:
+            self.on_op(n, 0 if n or _moves_no_data(func) else _bytes_moved(args, kwargs, out))
         return out
+
+
+def _moves_no_data(func) -> bool:
+    """Views, aliases and fresh allocations: an operator call, but no bytes moved."""
+    return bool(getattr(func, "is_view", False)) or func._overloadpacket in _NO_DATA_OPS
+
+
+_NO_DATA_OPS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+                torch.ops.aten.detach, torch.ops.aten.lift_fresh}
+
+
+def _bytes_moved(args, kwargs, out) -> int:
+    """Bytes an element-wise or reduction operator reads plus the bytes it writes.
+
+    Each distinct tensor counts once (an in-place op's output is its input); what a view
+    sees is what it reads, not its base's whole storage.
+    """
+    seen: set[int] = set()
+    total = 0
+    for t in tree_flatten((args, kwargs, out))[0]:
+        if isinstance(t, torch.Tensor) and id(t) not in seen:
+            seen.add(id(t))
+            total += t.numel() * t.element_size()
+    return total
 
 
 def _meta_retry_in_bf16(func, args, kwargs):

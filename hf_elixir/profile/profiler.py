@@ -13,6 +13,7 @@ from torch import nn
 from hf_elixir.plan.plan import canonical_dtype, detect_fetch_units
 from hf_elixir.profile.memory import LiveStorageTracker, StepMemory, run_step
 from hf_elixir.profile.trace import (
+    EventWork,
     ExecutionTracer,
     Trace,
     batch_shape,
@@ -149,6 +150,8 @@ def trace_step(
     tracer = ExecutionTracer(model, fetch_units, borrowed)
     tracker = LiveStorageTracker()
     tracker.on_flops = tracer.add_flops
+    tracker.on_op = tracer.add_op
+    tracer.tracker = tracker
 
     def backward_begins():
         tracer.in_backward = True
@@ -163,6 +166,8 @@ def trace_step(
     for m in reversed(list(dict.fromkeys(fwd))):
         if m not in seen_bwd:
             trace.events.append(("backward", m))
+            trace.work.append(EventWork())
+            trace.live.append(trace.live[-1] if trace.live else (0, 0))
     return PassProfile(trace=trace, memory=mem)
 
 

@@ -228,6 +228,39 @@ def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
 
 # ---------------------------------------------------------------------- tracing
 @dataclass
+class EventWork:
+    """The operators run between one fetch event and the next: what the cost model prices.
+
+    Matmul-like operators (those PyTorch has FLOP formulas for) are kept by size, because a
+    small matmul runs far below a large one's rate: ``matmul[b]`` is the total FLOPs of the
+    operators whose own FLOPs lie in ``[2**b, 2**(b+1))``. Every other operator is priced by
+    the bytes it reads and writes (``bytes``) and a fixed cost per call (``ops``).
+    """
+
+    matmul: dict[int, float] = field(default_factory=dict)
+    bytes: float = 0.0
+    ops: int = 0
+
+    def add(self, flops: int, nbytes: int) -> None:
+        self.ops += 1
+        if flops > 0:
+            b = int(flops).bit_length() - 1
+            self.matmul[b] = self.matmul.get(b, 0.0) + flops
+        else:
+            self.bytes += nbytes
+
+    def merge(self, other: "EventWork") -> None:
+        for b, f in other.matmul.items():
+            self.matmul[b] = self.matmul.get(b, 0.0) + f
+        self.bytes += other.bytes
+        self.ops += other.ops
+
+    @property
+    def flops(self) -> float:
+        return sum(self.matmul.values())
+
+
+@dataclass
 class Trace:
     """What the runtime will fetch, in order.
 
@@ -238,12 +271,20 @@ class Trace:
             innermost module owning parameters (used to spread compute time over modules).
         pins: ``("pin" | "unpin", module)`` in the order the runtime pins and unpins each
             module's chunks, forward and backward (see ``ExecutionTracer``).
+        work: one ``EventWork`` per event: the operators that ran from that event until the
+            next (the compute between two fetch points; what ran before the first event
+            counts for the first).
+        live: per event, the activation and temporary bytes alive when it began and the
+            most alive until the next event (the memory model lines these up with the
+            gradient buffers and gathered chunks of the same instant).
     """
 
     events: list[tuple[Phase, str]] = field(default_factory=list)
     module_params: dict[str, list[str]] = field(default_factory=dict)
     module_flops: dict[str, int] = field(default_factory=dict)
     pins: list[tuple[str, str]] = field(default_factory=list)
+    work: list[EventWork] = field(default_factory=list)
+    live: list[tuple[int, int]] = field(default_factory=list)
 
     def first_use_order(self, all_params: Iterable[str]) -> list[str]:
         """Parameters in the order the forward first uses them; unused ones at the end."""
@@ -288,6 +329,8 @@ class ExecutionTracer:
         self._stack: list[str] = []
         self._calls: dict[str, list[_Call]] = {}
         self._handles: list[Any] = []
+        self._pending = EventWork()  # operators seen before the first event
+        self.tracker: LiveStorageTracker | None = None  # set by trace_step: live bytes per event
 
     def __enter__(self) -> "ExecutionTracer":
         for name, module in self.model.named_modules():
@@ -307,9 +350,26 @@ class ExecutionTracer:
             top = self._stack[-1]
             self.trace.module_flops[top] = self.trace.module_flops.get(top, 0) + n
 
+    def add_op(self, flops: int, nbytes: int) -> None:
+        """Charge one operator to the event that runs now."""
+        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, nbytes)
+        if self.tracker is not None and self.trace.live:
+            at, top = self.trace.live[-1]
+            if self.tracker.current > top:
+                self.trace.live[-1] = (at, self.tracker.current)
+
+    def _event(self, phase: Phase, name: str) -> None:
+        self.trace.events.append((phase, name))
+        work = EventWork()
+        if not self.trace.work:
+            work.merge(self._pending)
+        self.trace.work.append(work)
+        now = self.tracker.current if self.tracker is not None else 0
+        self.trace.live.append((now, now))
+
     def _pre_hook(self, name: str):
         def hook(module, args, kwargs):
-            self.trace.events.append(("recompute" if self.in_backward else "forward", name))
+            self._event("recompute" if self.in_backward else "forward", name)
             self.trace.pins.append(("pin", name))
             self._stack.append(name)
             call = _Call(name, recomputed=self.in_backward)
@@ -337,7 +397,7 @@ class ExecutionTracer:
             return
         call.pinned = True
         if not call.recomputed:  # a recomputed call's fetch event was its recompute
-            self.trace.events.append(("backward", call.name))
+            self._event("backward", call.name)
         self.trace.pins.append(("pin", call.name))
 
     def _backward_done(self, call: _Call) -> None:

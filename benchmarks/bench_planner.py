@@ -1,0 +1,344 @@
+"""How good are the planner's predictions? Every plan it compares, run for real.
+
+    python benchmarks/bench_planner.py                     # three models, three budgets each
+    python benchmarks/bench_planner.py --models gpt2-30m --steps 2
+
+For GPT-2 30M, GPT-2 124M and a Llama-style model (fp32, AdamW, clipping at 1.0, batch
+2 x 128 per rank, world size 2 on CPU over gloo), and three memory budgets each, the
+planner chooses a plan and names its runners-up (``plan.alternatives``); this script runs
+every one of them for a few steps and records, per plan:
+
+- predicted and measured step time (median of the timed steps, both ranks in lock-step);
+- predicted and measured peak memory per rank: the runtime's own ledger (parameter shards,
+  optimizer state, gradient shards held before the step) plus everything PyTorch's CPU
+  allocator hands out during one whole step (forward, backward, clipping, optimizer step),
+  as the running sum of ``torch.profiler``'s memory events (the method
+  ``tests/test_profile.py`` validates), plus the model's buffers;
+- the measured rank of the chosen plan among the candidates that fit the budget.
+
+Budgets: "roomy" fits the fastest candidate; "tight" is just above the smallest candidate's
+peak; "medium" lies between them on the planner's selection chain. The hardware profile
+is this machine's calibration (``hf-elixir calibrate``; run first when none is cached).
+Results: benchmarks/results/bench_planner.json and bench_planner.png.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from queue import Empty
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+RESULTS = Path(__file__).resolve().parent / "results"
+BATCH = (2, 128)  # per rank
+WORLD = 2
+CLIP = 1.0
+
+
+def config_for(name: str):
+    """The transformers config of each benchmarked model (dropout off: steps are comparable)."""
+    from transformers import GPT2Config, LlamaConfig
+
+    if name == "gpt2-30m":
+        return GPT2Config(n_layer=6, n_embd=384, n_head=6, n_positions=1024, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    if name == "gpt2-124m":
+        return GPT2Config(n_layer=12, n_embd=768, n_head=12, n_positions=1024, resid_pdrop=0.0,
+                          embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)
+    if name == "llama-60m":
+        return LlamaConfig(hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                           num_attention_heads=8, num_key_value_heads=4, vocab_size=32000,
+                           max_position_embeddings=512, tie_word_embeddings=False, use_cache=False)
+    raise ValueError(name)
+
+
+MODELS = ("gpt2-30m", "gpt2-124m", "llama-60m")
+
+
+def build(name: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_for(name))
+    model.config.use_cache = False
+    return model
+
+
+# ---------------------------------------------------------------------- planning (parent)
+def budgets(profile, hw) -> dict[str, int]:
+    """Roomy, medium and tight budgets read off the planner's own selection chain."""
+    from hf_elixir.plan import search
+
+    cands, _ = search.enumerate_candidates(profile, hw, WORLD, profile.dtype, "adamw")
+    path = search.chain(cands)
+    peaks = [c.peak for c in path]
+    return {"roomy": int(peaks[-1] * 1.05), "medium": int(peaks[len(peaks) // 2] * 1.01),
+            "tight": int(peaks[0] * 1.01)}
+
+
+def plans_for(name: str, hw) -> list[dict]:
+    """Every (budget, plan) pair to run for one model: chosen first, then the runners-up."""
+    import hf_elixir as hfe
+    from hf_elixir.plan import search
+
+    profile = hfe.profile_model(config_for(name), BATCH, dtype="float32", attention_target="cpu",
+                                model_name=name)
+    out = []
+    for label, budget in budgets(profile, hw).items():
+        chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
+                          memory_budget=budget, profile=profile)
+        for i, p in enumerate([chosen] + search.candidate_plans(chosen, profile, hw)):
+            out.append({"model": name, "budget": label, "budget_bytes": budget,
+                        "role": "chosen" if i == 0 else f"alt {i}", "plan": p.to_dict()})
+    return out
+
+
+# ---------------------------------------------------------------------- running (ranks)
+def allocator_peak(fn) -> int:
+    """Peak of the running sum of the CPU allocator's allocations and frees during fn()."""
+    from torch.profiler import ProfilerActivity, profile
+
+    gc.collect()
+    gc.disable()  # no collection of older garbage inside the window (it would count as frees)
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            fn()
+    finally:
+        gc.enable()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+
+
+def run_plan(entry: dict, steps: int, warmup: int) -> dict:
+    import hf_elixir as hfe
+
+    rank = dist.get_rank()
+    plan = hfe.ElixirPlan.from_dict(entry["plan"])
+    model = build(entry["model"])
+    vocab = model.config.vocab_size
+    em = hfe.ElixirModule(model, plan)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
+
+    def step(i: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(1000 + i)
+        ids = torch.randint(0, vocab, (BATCH[0] * WORLD, BATCH[1]), generator=g)
+        ids = ids[rank * BATCH[0]:(rank + 1) * BATCH[0]]
+        loss = em(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(CLIP)
+        opt.step()
+        opt.zero_grad()
+        return loss
+
+    times, losses = [], []
+    for i in range(warmup + steps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        loss = step(i)
+        dist.barrier()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    # memory: what the runtime holds before a step plus what the allocator gives out in it
+    held = em.memory_report()["current_total"]
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    dist.barrier()
+    during = allocator_peak(lambda: step(warmup + steps))
+    dist.barrier()
+    out = {"step_times_s": times, "measured_step_s": statistics.median(times),
+           "measured_peak_bytes": held + buffers + during, "held_bytes": held,
+           "step_allocations_peak": during, "losses": losses,
+           "cache_stats": em.memory_report()["cache_stats"]}
+    del em, opt, model
+    gc.collect()
+    return out
+
+
+def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # one core per rank, as torchrun and accelerate launch set it
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        for k, e in enumerate(entries):
+            res = run_plan(e, args.steps, args.warmup)
+            if rank == 0:
+                pred = e["plan"]["predictions"]
+                print(f"[{k + 1}/{len(entries)}] {e['model']:10s} {e['budget']:6s} {e['role']:7s} "
+                      f"step {res['measured_step_s']:.3f} s (pred {pred['step_time_s']:.3f}), "
+                      f"peak {res['measured_peak_bytes'] / 2**20:.1f} MiB "
+                      f"(pred {pred['peak_bytes'] / 2**20:.1f})", flush=True)
+                queue.put((k, res))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_all(entries: list[dict], args) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    from socket import socket
+
+    with socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=worker, args=(r, port, entries, args, queue)) for r in range(WORLD)]
+    for p in procs:
+        p.start()
+    got: dict[int, dict] = {}
+    while len(got) < len(entries):
+        try:
+            k, res = queue.get(timeout=5)
+            got[k] = res
+        except Empty:
+            if any(p.exitcode not in (None, 0) for p in procs):
+                for p in procs:
+                    p.kill()
+                sys.exit("a rank failed; see its traceback above")
+    for p in procs:
+        p.join()
+    return [dict(e, measured=got[k]) for k, e in enumerate(entries)]
+
+
+# ---------------------------------------------------------------------- analysis
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(v):
+        order = sorted(range(len(v)), key=lambda i: v[i])
+        r = [0.0] * len(v)
+        for pos, i in enumerate(order):
+            r[i] = float(pos)
+        return r
+
+    if len(xs) < 2:
+        return float("nan")
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.mean(rx), statistics.mean(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else float("nan")
+
+
+def summarise(rows: list[dict]) -> dict:
+    out: dict = {"plans": [], "models": {}}
+    for r in rows:
+        pred, meas = r["plan"]["predictions"], r["measured"]
+        out["plans"].append({
+            "model": r["model"], "budget": r["budget"], "role": r["role"],
+            "reason": pred.get("reason", "chosen"),
+            "fits": pred["peak_bytes"] <= r["budget_bytes"],
+            "predicted_step_s": pred["step_time_s"], "measured_step_s": meas["measured_step_s"],
+            "step_error": pred["step_time_s"] / meas["measured_step_s"] - 1,
+            "predicted_peak_bytes": pred["peak_bytes"], "measured_peak_bytes": meas["measured_peak_bytes"],
+            "peak_error": pred["peak_bytes"] / meas["measured_peak_bytes"] - 1,
+            "config": {k: r["plan"][k] for k in ("chunk_size", "rcache_blocks", "activation_checkpointing",
+                                                  "prefetch_depth")}
+            | {"optim_offload_chunks": sum(c["optim_placement"] == "cpu" for c in r["plan"]["chunks"]),
+               "param_offload_chunks": sum(c["param_placement"] == "cpu" for c in r["plan"]["chunks"]),
+               "n_chunks": len(r["plan"]["chunks"])},
+            "predicted_time": pred["time"], "predicted_memory": pred["memory"],
+            "measured_detail": {k: meas[k] for k in ("step_times_s", "held_bytes", "step_allocations_peak",
+                                                      "cache_stats")},
+        })
+    for model in dict.fromkeys(p["model"] for p in out["plans"]):
+        mine = [p for p in out["plans"] if p["model"] == model]
+        # one point per distinct plan (a plan can be a candidate under several budgets)
+        uniq = {json.dumps(p["config"], sort_keys=True): p for p in mine}.values()
+        per_budget = {}
+        for b in dict.fromkeys(p["budget"] for p in mine):
+            rows_b = [p for p in mine if p["budget"] == b]
+            chosen = rows_b[0]
+            fit = [p for p in rows_b if p["fits"]]
+            best = min(p["measured_step_s"] for p in fit)
+            rank = sorted(p["measured_step_s"] for p in fit).index(chosen["measured_step_s"]) + 1
+            per_budget[b] = {"chosen_vs_best_fitting": chosen["measured_step_s"] / best,
+                             "chosen_measured_rank": rank, "fitting_candidates": len(fit)}
+        out["models"][model] = {
+            "spearman_step_time": spearman([p["predicted_step_s"] for p in uniq],
+                                           [p["measured_step_s"] for p in uniq]),
+            "max_abs_step_error": max(abs(p["step_error"]) for p in mine),
+            "max_abs_peak_error": max(abs(p["peak_error"]) for p in mine),
+            "budgets": per_budget,
+        }
+    return out
+
+
+def plot(summary: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 5))
+    colours = {"gpt2-30m": "#4a7", "gpt2-124m": "#c66", "llama-60m": "#46c"}
+    for ax, key, unit, scale in ((axes[0], "step_s", "s", 1.0), (axes[1], "peak_bytes", "MiB", 2**20)):
+        lo, hi = float("inf"), 0.0
+        for p in summary["plans"]:
+            x, y = p[f"measured_{key}"] / scale, p[f"predicted_{key}"] / scale
+            lo, hi = min(lo, x, y), max(hi, x, y)
+            ax.scatter(x, y, c=colours.get(p["model"], "#888"), marker="*" if p["role"] == "chosen" else "o",
+                       s=80 if p["role"] == "chosen" else 25, label=p["model"])
+        band = 0.25 if key == "step_s" else 0.10
+        xs = [lo * 0.9, hi * 1.1]
+        ax.plot(xs, xs, "k-", lw=0.8)
+        ax.fill_between(xs, [x * (1 - band) for x in xs], [x * (1 + band) for x in xs], color="#ddd", alpha=0.5)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"measured ({unit})")
+        ax.set_ylabel(f"predicted ({unit})")
+        ax.set_title(f"{'step time' if key == 'step_s' else 'peak memory per rank'} (band ±{band:.0%})")
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    import hf_elixir as hfe
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--calibrate", action="store_true", help="calibrate this machine first")
+    p.add_argument("--out", default=str(RESULTS / "bench_planner.json"))
+    args = p.parse_args()
+
+    torch.set_num_threads(1)
+    hw = hfe.HardwareProfile.calibrate() if args.calibrate else hfe.HardwareProfile.detect()
+    print(f"hardware: {hw.name}", flush=True)
+    entries = [e for m in args.models for e in plans_for(m, hw)]
+    print(f"{len(entries)} plans to run", flush=True)
+    t0 = time.perf_counter()
+    rows = run_all(entries, args)
+    summary = summarise(rows)
+    summary["hardware"] = hw.to_dict() if hasattr(hw, "to_dict") else hw.name
+    summary["seconds"] = time.perf_counter() - t0
+    for model, s in summary["models"].items():
+        print(f"{model}: spearman {s['spearman_step_time']:.2f}, max |step error| "
+              f"{s['max_abs_step_error']:.0%}, max |peak error| {s['max_abs_peak_error']:.0%}")
+        for b, v in s["budgets"].items():
+            print(f"   {b:6s} chosen/best fitting {v['chosen_vs_best_fitting']:.3f} "
+                  f"(rank {v['chosen_measured_rank']} of {v['fitting_candidates']})")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(summary, indent=1))
+    plot(summary, out.with_suffix(".png"))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

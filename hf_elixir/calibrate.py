@@ -1,0 +1,362 @@
+"""Measure the figures the cost model prices a step with, on this machine, in under a minute.
+
+The cost model (``hf_elixir.plan.cost``) prices each stretch of a step by the operators the
+profiler saw in it (``EventWork``): matmuls by their FLOPs at the rate a matmul *of that
+size* reaches, every other operator by the bytes it moves plus a fixed cost per call. So
+that is what is measured here, rather than a peak matmul rate:
+
+- **matmul rate by size**: the three matmuls of a linear layer's forward and backward
+  (``x @ w``, ``g @ w.T``, ``x.T @ g``) at a ladder of sizes;
+- **element-wise bandwidth**: out-of-place operators on tens of MB, each writing a fresh
+  tensor as real kernels do (on a CPU that includes the page faults of first touch, which
+  dominate a large fill or add);
+- **cost per operator call**: a chain of tiny operators through forward and backward, so
+  dispatch and autograd bookkeeping are in it;
+- **a transformer block's forward and backward** at two shapes, measured and then priced
+  from its own meta trace with the figures above; the ratio is ``efficiency``, the
+  correction the cost model applies to what the per-operator figures miss;
+- **the optimizer kernel the runtime uses** (fused AdamW over views of one flat shard);
+- **the runtime's own collectives** (``hf_elixir.runtime.comm.Collectives``) between two
+  local processes at chunk-sized buffers, all-gather and gradient reduction separately
+  (on gloo they are different algorithms).
+
+On a CPU every rank of a multi-process run gets one thread (``torchrun`` and ``accelerate
+launch`` set ``OMP_NUM_THREADS=1``), and ranks share the memory bus, so the per-rank figures
+are measured in two processes at once with one thread each; a one-process run uses every
+core, so its figures are measured once more that way. Each set is a ``ComputeFigures`` in
+``HardwareProfile.compute``: ``"shared"`` (several ranks per node) and ``"whole"`` (one).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+#: matmul shapes (tokens, in, out) of the ladder; ordered by FLOPs
+_MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536), (256, 768, 768),
+              (256, 768, 3072), (512, 1024, 4096), (256, 768, 32000), (1024, 2048, 8192)]
+_MM_SHAPES_QUICK = [(64, 128, 128), (256, 384, 384), (256, 768, 3072)]
+
+
+@dataclass
+class ComputeFigures:
+    """How fast one rank computes, for the per-operator cost model.
+
+    Attributes:
+        matmul_curve: dtype -> ``[[flops_per_call, flop_per_s], ...]`` ascending; the rate of a
+            matmul is interpolated log-log between the points (clamped at the ends).
+        elementwise_bandwidth: bytes/s an operator that is not a matmul moves (read + written).
+        op_overhead: seconds per operator call (dispatch, autograd), whatever its size.
+        efficiency: measured / priced time of a transformer block's forward and backward.
+        adam_rate: fused AdamW, elements/s for one rank.
+        threads: torch threads per rank these figures were measured with.
+    """
+
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    elementwise_bandwidth: float = 10e9
+    op_overhead: float = 10e-6
+    efficiency: float = 1.0
+    adam_rate: float = 1e9
+    threads: int = 1
+
+    def matmul_rate(self, dtype: str, flops: float) -> float:
+        curve = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
+        if not curve:
+            raise KeyError(dtype)
+        if flops <= curve[0][0]:
+            return curve[0][1]
+        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
+            if flops <= f1:
+                w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
+                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
+        return curve[-1][1]
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ComputeFigures":
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------- timing
+def best_time(fn: Callable[[], object], repeat: int = 3, sync: Callable[[], None] | None = None,
+              budget: float = 1.0) -> float:
+    """The fastest of ``repeat`` timed calls after one warm-up (fewer when one takes long)."""
+    fn()
+    if sync:
+        sync()
+    best = float("inf")
+    spent = 0.0
+    for _ in range(repeat):
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        dt = time.perf_counter() - t
+        best = min(best, dt)
+        spent += dt
+        if spent > budget:
+            break
+    return max(best, 1e-9)
+
+
+# ---------------------------------------------------------------------- compute
+def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",), quick: bool = False,
+                    threads: int | None = None) -> ComputeFigures:
+    """Every ``ComputeFigures`` field on ``device`` with the current thread setting."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
+    figs = ComputeFigures(threads=threads or torch.get_num_threads())
+    for dtype in dtypes:
+        figs.matmul_curve[dtype] = _matmul_curve(device, _torch_dtype(dtype), sync, quick)
+    figs.op_overhead = _op_overhead(device, sync)
+    figs.elementwise_bandwidth = _elementwise_bandwidth(device, sync, figs.op_overhead, quick)
+    figs.adam_rate = adam_rate(device, (1 if quick else 8) * 2**20, sync)
+    figs.efficiency = block_efficiency(figs, device, sync, quick)
+    return figs
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
+def _matmul_curve(device, dtype, sync, quick) -> list[list[float]]:
+    points: dict[float, float] = {}
+    budget = 0.3 if quick else 1.0
+    for t, k, n in (_MM_SHAPES_QUICK if quick else _MM_SHAPES):
+        flops = 2.0 * t * k * n
+        if device.type == "cpu" and flops > (2e9 if quick else 2e10):
+            continue
+        x = torch.randn(t, k, device=device, dtype=dtype)
+        w = torch.randn(k, n, device=device, dtype=dtype)
+        g = torch.randn(t, n, device=device, dtype=dtype)
+
+        def triplet():
+            x @ w
+            g @ w.t()
+            x.t() @ g
+
+        sec = best_time(triplet, repeat=3, sync=sync, budget=budget)
+        points[flops] = max(points.get(flops, 0.0), 3 * flops / sec)
+    curve = sorted(points.items())
+    # a larger matmul is never slower per FLOP than a smaller one in the model's eyes
+    out, best = [], 0.0
+    for f, r in curve:
+        best = max(best, r)
+        out.append([f, best])
+    return out
+
+
+def _op_overhead(device, sync) -> float:
+    """Seconds per operator call through forward and backward, on tiny tensors."""
+    x = torch.ones(16, device=device, requires_grad=True)
+    n = 200
+
+    def chain():
+        y = x
+        for _ in range(n):
+            y = y * 1.0001
+        y.sum().backward()
+
+    # forward: n muls + sum; backward: n muls, the sum's expand, gradient accumulation
+    return best_time(chain, repeat=5, sync=sync) / (2 * n + 3)
+
+
+def _elementwise_bandwidth(device, sync, overhead: float, quick: bool) -> float:
+    """Bytes/s of out-of-place element-wise operators whose outputs are fresh allocations."""
+    n = (4 if quick else 16) * 2**20
+    x = torch.randn(n, device=device)
+    y = torch.randn(n, device=device)
+    calls = 4
+
+    def ops():
+        for _ in range(calls):
+            torch.add(x, y)  # each result is freed at once: the next one is a fresh allocation
+
+    sec = best_time(ops, repeat=3, sync=sync) / calls - overhead
+    return 3 * n * 4 / max(sec, 1e-9)
+
+
+def adam_rate(device: torch.device, elems: int, sync=None) -> float:
+    """Elements/s of the update the runtime runs: functional fused AdamW over views of one
+    flat shard (one view per parameter slot), as ``ElixirOptimizer._update`` calls it."""
+    from torch.optim.adamw import adamw as functional_adamw
+
+    flat = torch.zeros(elems, device=device)
+    grad, m, v = torch.randn_like(flat), torch.zeros_like(flat), torch.zeros_like(flat)
+    pieces = 16
+    size = elems // pieces
+    views = lambda t: [t[i * size:(i + 1) * size] for i in range(pieces)]  # noqa: E731
+    steps = [torch.tensor(0.0, device=device) for _ in range(pieces)]
+    fused = device.type in ("cpu", "cuda")
+
+    def update():
+        functional_adamw(views(flat), views(grad), views(m), views(v), [], steps,
+                         foreach=None if fused else True, fused=fused, amsgrad=False, beta1=0.9,
+                         beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
+
+    return pieces * size / best_time(update, repeat=3, sync=sync)
+
+
+# ---------------------------------------------------------------------- a transformer block
+class _Block(nn.Module):
+    """A GPT-style pre-norm block, the unit whose speed the cost model must get right."""
+
+    def __init__(self, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc, self.out = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, h = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.heads, h // self.heads).permute(2, 0, 3, 1, 4)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, h))
+        return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
+
+
+def _block_work(block: nn.Module, shape: tuple[int, int, int], target: str):
+    """The block's forward and backward as the profiler sees it on meta (one EventWork)."""
+    from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode
+    from hf_elixir.profile.trace import EventWork, build_meta_model
+
+    meta = build_meta_model(block)
+    x = torch.empty(shape, device="meta", requires_grad=True)
+    work = EventWork()
+    tracker = LiveStorageTracker()
+    tracker.on_op = work.add
+    with SDPAKernelMode(target), tracker:
+        meta(x).sum().backward()
+    return work
+
+
+def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quick: bool = False) -> float:
+    """Measured over priced time of a transformer block's forward and backward."""
+    shapes = [(2, 128, 384, 6)] if quick else [(2, 128, 384, 6), (2, 128, 768, 12)]
+    ratios = []
+    for b, s, h, heads in shapes:
+        torch.manual_seed(0)
+        block = _Block(h, heads).to(device)
+        x = torch.randn(b, s, h, device=device, requires_grad=True)
+
+        def step():
+            block(x).sum().backward()
+            for p in block.parameters():
+                p.grad = None
+
+        measured = best_time(step, repeat=3, sync=sync)
+        priced = price(_block_work(block, (b, s, h), device.type), figs, "float32", efficiency=1.0)
+        ratios.append(measured / priced)
+    return statistics.median(ratios)
+
+
+def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = None) -> float:
+    """Seconds one ``EventWork`` takes on a rank with ``figs``."""
+    t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5)) for b, f in work.matmul.items())
+    t += work.bytes / figs.elementwise_bandwidth + work.ops * figs.op_overhead
+    return t * (figs.efficiency if efficiency is None else efficiency)
+
+
+# ---------------------------------------------------------------------- two ranks at once
+@dataclass
+class PairResult:
+    """What the two-process half of the calibration measured (rank 0's view)."""
+
+    compute: dict
+    gather: tuple[float, float]   # (bandwidth B/s, latency s) of Collectives.all_gather
+    reduce: tuple[float, float]   # the same for Collectives.reduce_scatter_accumulate
+
+
+def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, out) -> None:
+    import torch.distributed as dist
+
+    from hf_elixir.runtime.comm import Collectives
+
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+        sync = torch.cuda.synchronize if backend == "nccl" else None
+        figs = None
+        if backend == "gloo":  # CPU ranks: compute figures with both ranks busy, one thread each
+            figs = measure_compute(dev, quick=quick, threads=1)
+        coll = Collectives.create(device=dev)
+        sizes = [2**18, 2**20] if quick else [2**18, 2**20, 2**22, 2**24]
+        g_pts, r_pts = [], []
+        for n in sizes:
+            full = torch.zeros(n, device=dev)
+            shard = torch.ones(n // world, device=dev)
+            target = torch.zeros(n // world, device=dev)
+            scratch = torch.empty(n // world, device=dev) if coll.reduce_needs_scratch else None
+
+            def gather():
+                dist.barrier()
+                coll.all_gather(full, shard)
+
+            def reduce():
+                dist.barrier()
+                coll.reduce_scatter_accumulate(target, full, scratch)
+
+            def barrier():
+                dist.barrier()
+
+            base = best_time(barrier, repeat=5, sync=sync)
+            wire = n * 4 * (world - 1) / world
+            g_pts.append((wire, best_time(gather, repeat=3, sync=sync) - base))
+            r_pts.append((wire, best_time(reduce, repeat=3, sync=sync) - base))
+        if rank == 0:
+            out.put(PairResult(compute=asdict(figs) if figs else {}, gather=_fit(g_pts), reduce=_fit(r_pts)))
+    finally:
+        dist.destroy_process_group()
+
+
+def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(bandwidth, latency) of t = latency + bytes / bandwidth, least squares."""
+    xs, ys = [p[0] for p in points], [max(p[1], 1e-7) for p in points]
+    mx, my = statistics.mean(xs), statistics.mean(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    if slope <= 0:  # noise on tiny buffers: take the largest buffer's rate, no latency
+        return xs[-1] / ys[-1], 0.0
+    latency = max(0.0, my - slope * mx)
+    return 1.0 / slope, latency
+
+
+def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | None:
+    """Run ``_pair_worker`` in two processes; None when no pair can be made (one GPU)."""
+    import torch.multiprocessing as mp
+
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < 2:
+        return None
+    backend = "nccl" if cuda else "gloo"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    procs = [ctx.Process(target=_pair_worker, args=(r, 2, port, quick, backend, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(timeout=max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return None if q.empty() else q.get()
+
+
+def sharing(ranks_per_node: int) -> str:
+    """Which ``HardwareProfile.compute`` figures a rank runs at: ``"shared"`` when several
+    ranks share the node (one thread each), ``"whole"`` when one process has every core."""
+    return "shared" if ranks_per_node > 1 else "whole"
