@@ -87,8 +87,30 @@ def budgets(profile, hw) -> dict[str, int]:
             "tight": int(peaks[0] * 1.01)}
 
 
-def plans_for(name: str, hw) -> list[dict]:
-    """Every (budget, plan) pair to run for one model: chosen first, then the runners-up."""
+def spread(profile, hw, budget: int, taken: set, count: int) -> list:
+    """Fitting candidates spread over the predicted step times (slowest included), so the
+    rank correlation is tested on plans the model tells apart, not only near-ties."""
+    from hf_elixir.plan import search
+
+    W = WORLD
+    hw = search._resolve_hardware(hw, W)
+    cands, packings = search.enumerate_candidates(profile, hw, W, profile.dtype, "adamw")
+    fit = sorted((c for c in cands if c.peak <= budget), key=lambda c: c.step_time)
+    out = []
+    for q in [(i + 1) / count for i in range(count)]:
+        c = fit[min(len(fit) - 1, int(q * (len(fit) - 1)))]
+        if search._signature(c) in taken:
+            continue
+        taken.add(search._signature(c))
+        p = search.materialize(c, packings[c.chunk_size], profile, hw, W, profile.dtype, "adamw", budget)
+        p.predictions["reason"] = f"spread: {q:.0%} of the fitting candidates are faster"
+        out.append(p)
+    return out
+
+
+def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]:
+    """Every (budget, plan) pair to run for one model: the chosen plan, its runners-up as
+    the planner names them, and a few fitting candidates spread over predicted time."""
     import hf_elixir as hfe
     from hf_elixir.plan import search
 
@@ -97,11 +119,20 @@ def plans_for(name: str, hw) -> list[dict]:
     out = []
     for label, budget in budgets(profile, hw).items():
         chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
-                          memory_budget=budget, profile=profile)
-        for i, p in enumerate([chosen] + search.candidate_plans(chosen, profile, hw)):
-            out.append({"model": name, "budget": label, "budget_bytes": budget,
-                        "role": "chosen" if i == 0 else f"alt {i}", "plan": p.to_dict()})
+                          memory_budget=budget, profile=profile, alternatives=alternatives)
+        alts = search.candidate_plans(chosen, profile, hw)
+        taken = {_sig(p) for p in [chosen] + alts}
+        extra = spread(profile, hw, budget, taken, spread_count)
+        roles = ["chosen"] + [f"alt {i + 1}" for i in range(len(alts))] + [f"spread {i + 1}" for i in range(len(extra))]
+        for role, p in zip(roles, [chosen] + alts + extra):
+            out.append({"model": name, "budget": label, "budget_bytes": budget, "role": role,
+                        "plan": p.to_dict()})
     return out
+
+
+def _sig(p) -> tuple:
+    return (p.chunk_size, p.activation_checkpointing, p.rcache_blocks, p.prefetch_depth,
+            sum(c.optim_placement == "cpu" for c in p.chunks), sum(c.param_placement == "cpu" for c in p.chunks))
 
 
 # ---------------------------------------------------------------------- running (ranks)
@@ -314,13 +345,15 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--calibrate", action="store_true", help="calibrate this machine first")
+    p.add_argument("--alternatives", type=int, default=3, help="runners-up per budget")
+    p.add_argument("--spread", type=int, default=3, help="extra fitting candidates per budget")
     p.add_argument("--out", default=str(RESULTS / "bench_planner.json"))
     args = p.parse_args()
 
     torch.set_num_threads(1)
     hw = hfe.HardwareProfile.calibrate() if args.calibrate else hfe.HardwareProfile.detect()
     print(f"hardware: {hw.name}", flush=True)
-    entries = [e for m in args.models for e in plans_for(m, hw)]
+    entries = [e for m in args.models for e in plans_for(m, hw, args.alternatives, args.spread)]
     print(f"{len(entries)} plans to run", flush=True)
     t0 = time.perf_counter()
     rows = run_all(entries, args)

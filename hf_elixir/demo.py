@@ -163,6 +163,15 @@ def finetune_args(model: str, output: Path, fast: bool, port: int) -> list[str]:
     ]
 
 
+def ensure_calibration(log=print) -> None:
+    """Calibrate this machine once, so the plan's predicted times are this machine's."""
+    from hf_elixir.hardware import HardwareProfile, cache_path
+
+    if HardwareProfile.cached() is None:
+        log(f"calibrating this machine once for the planner (about 20 s; cached in {cache_path()})", flush=True)
+        HardwareProfile.calibrate()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -198,6 +207,7 @@ def cmd_demo(args) -> int:
     if model is None:
         recipe = FAST if args.fast else FULL
         model = str(ensure_base_model(Path(args.cache_dir) if args.cache_dir else default_cache(), recipe))
+    ensure_calibration()
     procs = args.num_processes or max(torch.cuda.device_count(), 2 if not torch.cuda.is_available() else 1)
     config = write_config(output / "accelerate_elixir.yaml",
                           default_config(procs, "bf16" if torch.cuda.is_available() else "no"),

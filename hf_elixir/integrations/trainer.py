@@ -24,6 +24,7 @@ from transformers import Trainer, TrainingArguments
 from hf_elixir import checkpoint
 from hf_elixir.integrations.accelerate import ELIXIR_STATE_DIR, ElixirAccelerator
 from hf_elixir.integrations.planning import unsupported_optimizer_message
+from hf_elixir.integrations.throughput import ThroughputCallback
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixir_requested
 from hf_elixir.runtime import ElixirModule
 
@@ -83,6 +84,19 @@ class ElixirTrainer(Trainer):
     def __init__(self, model=None, args=None, *rest: Any, **kwargs: Any) -> None:
         self._elixir_plugin = _plugin_for(args)
         super().__init__(model, args, *rest, **kwargs)
+        if self.is_elixir:
+            self.throughput = ThroughputCallback(plan_of=self._running_plan, tokens_per_step=self._tokens_per_step)
+            self.add_callback(self.throughput)
+
+    def _running_plan(self):
+        module = self._elixir_module()
+        return module.plan if module is not None else None
+
+    def _tokens_per_step(self) -> int:
+        """Tokens one optimizer step consumes on every rank (the plan's batch x sequence)."""
+        p = self._running_plan().predictions
+        return (p.get("batch_size", 0) * p.get("seq_len", 0) * self.args.world_size
+                * self.args.gradient_accumulation_steps)
 
     @property
     def is_elixir(self) -> bool:

@@ -204,6 +204,7 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
         comm_bytes=sim.gather_bytes + sum(x.elems) * cb * (W - 1) / W, pcie_bytes=pcie,
         memory=mem.as_dict(),
         time={
+            "forward_backward": sim.backward_end,
             "compute": sim.compute,
             "collectives": sim.comm_busy,
             "exposed_communication": max(0.0, sim.backward_end - sim.compute),
