@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
-from hf_elixir.plan import cost
+from hf_elixir.plan import cost, traffic
 from hf_elixir.plan.needs import rcache_minimum
 from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError, canonical_dtype, model_signature
 from hf_elixir.profile.profiler import ModelProfile, profile_model
@@ -313,6 +313,13 @@ def plan(
         predictions=predictions,
         alternatives=_alternatives(best, cands, path, budget, alternatives),
     )
+    # bytes on the wire, as the runtime counts them (see traffic.py); the time model above
+    # keeps its own per-gather estimate
+    host = traffic.host_collectives(hw.device_type)
+    trace = profile.step(best.checkpointing).trace
+    gathers = traffic.gathers_per_chunk(trace.pins, trace.module_params, chunks, best.rcache_blocks)
+    wire = traffic.plan_traffic(result, sizes, gathers, hw.device_type, host=host)
+    result.predictions.update(traffic.predictions(wire, gathers, host))
     return result
 
 

@@ -1,0 +1,106 @@
+"""Count the bytes any torch.distributed program moves, by the convention of plan/traffic.py.
+
+``WireCounter`` is a ``TorchDispatchMode``: every c10d collective reaches the dispatcher as
+an op (``c10d::allreduce_``, ``c10d::_allgather_base_``, ...; DTensor's functional
+collectives as ``_c10d_functional::*``), whoever issues it: DDP's reducer, FSDP2's hooks,
+DTensor's clipping, hf_elixir's runtime. Each is counted from its tensors' sizes and its
+group's size, so every system is measured the same way (``benchmarks/bench_step.py``).
+
+The runtime does not use this module (it keeps its own integer counter, which costs nothing);
+tests use it to check that counter. Intercepting every op costs Python time per op, so a
+benchmark times its steps without the mode and counts one extra step with it.
+
+A raw counter sees what was issued, not what it meant: hf_elixir's gloo gather is W
+broadcasts of one shard (counted under ``broadcast`` here, under ``all_gather`` by the
+runtime; the bytes are the same).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_elixir.plan.traffic import CommCounter
+
+# op name -> (kind, which argument holds the buffer, whether that buffer is the output)
+_C10D = {
+    "broadcast_": ("broadcast", "tensors"),
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "allgather_": ("all_gather", "output_tensors"),
+    "_allgather_base_": ("all_gather", "output_tensor"),
+    "allgather_coalesced_": ("all_gather", "output_lists"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+}
+_FUNCTIONAL = {
+    "all_reduce": "all_reduce", "all_reduce_": "all_reduce", "all_reduce_coalesced": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor": "all_gather", "all_gather_into_tensor_out": "all_gather",
+    "all_gather_into_tensor_coalesced": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_tensor_coalesced": "reduce_scatter",
+    "broadcast": "broadcast", "broadcast_": "broadcast",
+}
+_IGNORED = {"barrier", "monitored_barrier_", "wait_tensor"}
+
+
+def _nbytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(x) for x in obj)
+    return 0
+
+
+def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:
+    names = [a.name for a in func._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+class WireCounter(TorchDispatchMode):
+    """Counts, per kind, the bytes this rank receives in the collectives issued while it is
+    active (``counter``: a CommCounter), and names any collective it cannot classify in
+    ``unknown`` (so a new op shows up instead of silently counting zero)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counter = CommCounter()
+        self.unknown: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        namespace = func.namespace
+        if namespace in ("c10d", "_c10d_functional"):
+            self._count(namespace, func, args, kwargs)
+        return func(*args, **kwargs)
+
+    def _count(self, namespace: str, func, args: tuple, kwargs: dict) -> None:
+        name = func._schema.name.split("::", 1)[1]
+        if name in _IGNORED:
+            return
+        bound = _bind(func, args, kwargs)
+        if namespace == "c10d" and name in _C10D:
+            kind, arg = _C10D[name]
+            group = bound["process_group"]
+            size, rank = group.size(), group.rank()
+            source = kind == "broadcast" and rank == bound["root_rank"]
+            self.counter.collective(kind, _nbytes(bound[arg]), size, source=source)
+        elif namespace == "_c10d_functional" and name in _FUNCTIONAL:
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            kind = _FUNCTIONAL[name]
+            group = _resolve_process_group(bound["group_name"])
+            size, rank = group.size(), group.rank()
+            data = bound.get("input", bound.get("inputs"))
+            nbytes = _nbytes(data) * (size if kind == "all_gather" else 1)  # all-gather: the output
+            source = kind == "broadcast" and rank == bound["src"]
+            self.counter.collective(kind, nbytes, size, source=source)
+        else:
+            self.unknown[f"{namespace}::{name}"] += 1
