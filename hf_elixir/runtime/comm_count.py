@@ -25,7 +25,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_elixir.plan.traffic import CommCounter
 
-# op name -> (kind, which argument holds the buffer, whether that buffer is the output)
+# op name -> (kind, the argument holding the buffer the convention measures: the gathered
+# output of an all-gather, the full input of a reduce-scatter)
 _C10D = {
     "broadcast_": ("broadcast", "tensors"),
     "allreduce_": ("all_reduce", "tensors"),
@@ -55,6 +56,13 @@ def _nbytes(obj: Any) -> int:
     if isinstance(obj, (list, tuple)):
         return sum(_nbytes(x) for x in obj)
     return 0
+
+
+def _group(obj: Any):
+    """The ProcessGroup behind a c10d op's argument (the dispatcher hands a ScriptObject)."""
+    import torch.distributed as dist
+
+    return obj if isinstance(obj, dist.ProcessGroup) else dist.ProcessGroup.unbox(obj)
 
 
 def _bind(func, args: tuple, kwargs: dict) -> dict[str, Any]:
@@ -88,7 +96,7 @@ class WireCounter(TorchDispatchMode):
         bound = _bind(func, args, kwargs)
         if namespace == "c10d" and name in _C10D:
             kind, arg = _C10D[name]
-            group = bound["process_group"]
+            group = _group(bound["process_group"])
             size, rank = group.size(), group.rank()
             source = kind == "broadcast" and rank == bound["root_rank"]
             self.counter.collective(kind, _nbytes(bound[arg]), size, source=source)
