@@ -197,3 +197,27 @@ def test_staged_host_copies_equal_the_prediction(case: str, world_size: int) -> 
         counted = got["runtime"]["bytes"]
         assert counted == {k: v * WINDOW_STEPS for k, v in got["predicted"].items()}, rank
         assert counted["host_to_device"] > 0 and counted["device_to_host"] > 0
+
+
+def _dtensor_norm(rank: int, world_size: int) -> dict:
+    """What FSDP2's clipping issues: the norm of a sharded DTensor, redistributed inside
+    DTensor's dispatch (out of a dispatch mode's sight), then scaling; plus a plain all-reduce."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+    from hf_elixir.runtime.comm_count import WireCounter
+
+    mesh = init_device_mesh("cpu", (world_size,))
+    grad = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    counter = WireCounter()
+    with counter:
+        norm = torch.linalg.vector_norm(grad)  # fp32 scalar, partial on each rank
+        grad.mul_(1.0 / (norm + 1e-6))
+        dist.all_reduce(torch.ones(10, dtype=torch.float64))
+    return counter.counter.report()["bytes"]
+
+
+def test_the_raw_counter_sees_collectives_issued_inside_dtensor_ops() -> None:
+    for got in run_distributed(_dtensor_norm, 2):
+        # the norm's all-reduce (4 bytes) and the plain one (80 bytes), each 2B(W-1)/W
+        assert got["all_reduce"] == traffic.wire_bytes("all_reduce", 4, 2) + traffic.wire_bytes("all_reduce", 80, 2)

@@ -10,6 +10,12 @@ The runtime does not use this module (it keeps its own integer counter, which co
 tests use it to check that counter. Intercepting every op costs Python time per op, so a
 benchmark times its steps without the mode and counts one extra step with it.
 
+One path escapes a dispatch mode: a DTensor op (FSDP2's gradient-norm clipping) redistributes
+inside DTensor's own dispatch, where modes are switched off, so its functional collectives
+(``funcol.all_reduce``...) never reach the mode. While active, the counter therefore also
+wraps those Python functions of ``torch.distributed._functional_collectives`` and counts
+them there (and skips their ops in the mode, so nothing is counted twice).
+
 A raw counter sees what was issued, not what it meant: hf_elixir's gloo gather is W
 broadcasts of one shard (counted under ``broadcast`` here, under ``all_gather`` by the
 runtime; the bytes are the same).
@@ -48,6 +54,9 @@ _FUNCTIONAL = {
     "broadcast": "broadcast", "broadcast_": "broadcast",
 }
 _IGNORED = {"barrier", "monitored_barrier_", "wait_tensor"}
+# functional collectives (Python functions) -> kind, counted where DTensor calls them
+_FUNCOL = {"all_reduce": "all_reduce", "all_gather_tensor": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter"}
 
 
 def _nbytes(obj: Any) -> int:
@@ -81,11 +90,52 @@ class WireCounter(TorchDispatchMode):
         super().__init__()
         self.counter = CommCounter()
         self.unknown: Counter[str] = Counter()
+        self._in_funcol = 0
+        self._saved: dict[str, Any] = {}
+
+    def __enter__(self):
+        import torch.distributed._functional_collectives as funcol
+
+        for name, kind in _FUNCOL.items():
+            self._saved[name] = getattr(funcol, name)
+            setattr(funcol, name, self._wrap(self._saved[name], kind))
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        import torch.distributed._functional_collectives as funcol
+
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for name, fn in self._saved.items():
+                setattr(funcol, name, fn)
+            self._saved.clear()
+
+    def _wrap(self, fn, kind: str):
+        import inspect
+
+        signature = inspect.signature(fn)
+
+        def counted(tensor, *args, **kwargs):
+            import torch.distributed._functional_collectives as funcol
+            from torch.distributed.distributed_c10d import _resolve_process_group
+
+            group = signature.bind(tensor, *args, **kwargs).arguments["group"]
+            size = _resolve_process_group(funcol._resolve_group_name(group)).size()
+            nbytes = tensor.numel() * tensor.element_size() * (size if kind == "all_gather" else 1)
+            self.counter.collective(kind, nbytes, size)
+            self._in_funcol += 1
+            try:
+                return fn(tensor, *args, **kwargs)
+            finally:
+                self._in_funcol -= 1
+
+        return counted
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional"):
+        if namespace == "c10d" or (namespace == "_c10d_functional" and not self._in_funcol):
             self._count(namespace, func, args, kwargs)
         return func(*args, **kwargs)
 
