@@ -9,6 +9,20 @@ implementation is not what is compared), clipping at 1.0. After the warm-up step
 median of the timed steps is reported with each system's ratio to DDP, and the losses of
 the first steps are checked equal across systems. Results go to
 benchmarks/results/bench_step.json and a PNG beside it.
+
+Bytes on the wire: after the timed steps every system runs one more step under a
+``WireCounter`` (hf_elixir/runtime/comm_count.py), which sees each c10d collective and
+counts the bytes a rank receives by the ring convention (all-gather and reduce-scatter
+B(W-1)/W, all-reduce 2B(W-1)/W, broadcast B). The same counter for every system; it is not
+active in the timed steps (it costs Python time per op). Two hf_elixir rows:
+
+- ``hf_elixir``: what runs on gloo by default: a gather is W broadcasts (counted under
+  broadcast; the bytes of an all-gather) and a gradient reduction an all-reduce (faster
+  than gloo's reduce-scatter, twice the bytes; see runtime/comm.py).
+- ``hf_elixir_tensor``: HF_ELIXIR_COLLECTIVES=tensor, the collectives NCCL runs on a GPU
+  (all-gather, reduce-scatter): the bytes hf_elixir moves with NCCL.
+
+The hf_elixir rows also carry the runtime's own counter and the planner's prediction.
 """
 
 from __future__ import annotations
@@ -95,9 +109,11 @@ def setup_fsdp2(model):
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), {}
 
 
-def setup_elixir(model, **plan_kwargs):
-    """hf_elixir with ElixirPlan.simple; plan_kwargs (e.g. offload_fraction) go to the plan."""
+def setup_elixir(model, tensor_collectives: bool = False, **plan_kwargs):
+    """hf_elixir with ElixirPlan.simple; plan_kwargs (e.g. offload_fraction) go to the plan;
+    ``tensor_collectives``: NCCL's collectives instead of gloo's strategy."""
     import hf_elixir as hfe
+    from hf_elixir.plan import traffic
 
     world = dist.get_world_size()
     largest = max(p.numel() for p in model.parameters())
@@ -105,21 +121,42 @@ def setup_elixir(model, **plan_kwargs):
     # chunks let gathers and reduce-scatters overlap the layers' compute
     plan = hfe.ElixirPlan.simple(model, world, chunk_size=largest, rcache_blocks=None, pack_size=PACK_SIZE,
                                  **plan_kwargs)
-    em = hfe.ElixirModule(model, plan)
+    numels = {n: p.numel() for n, p in model.named_parameters()}
+    gathers = traffic.traced_gathers(plan, model, (4, 16))
+    predicted = traffic.plan_traffic(plan, numels, gathers, "cpu", host=not tensor_collectives)
+    if tensor_collectives:
+        os.environ[traffic.COLLECTIVES_ENV] = "tensor"
+    try:
+        em = hfe.ElixirModule(model, plan)
+    finally:
+        os.environ.pop(traffic.COLLECTIVES_ENV, None)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
     step = elixir_step(em, opt)
 
     def info():
         rep = em.memory_report()
-        return {"n_chunks": plan.n_chunks, "chunk_size": plan.chunk_size,
-                "peak_device_bytes": rep["peak_total"], "cache_stats": rep["cache_stats"]}
+        return {"n_chunks": plan.n_chunks, "chunk_size": plan.chunk_size, "rcache_blocks": plan.rcache_blocks,
+                "peak_device_bytes": rep["peak_total"], "cache_stats": rep["cache_stats"],
+                "predicted_bytes_per_step": predicted.bytes}
 
+    def comm_window(reset: bool) -> dict:
+        """The runtime's own counter (reset at the window's start)."""
+        report = em.comm_report(reset=reset)
+        return {k: v // max(1, report["steps"]) for k, v in report["bytes"].items()}
+
+    info.comm_window = comm_window
     return step, info
+
+
+def setup_elixir_tensor(model):
+    """hf_elixir with the tensor collectives NCCL uses (all-gather, reduce-scatter) on gloo."""
+    return setup_elixir(model, tensor_collectives=True)
 
 
 PACK_SIZE = 2_000_000
 
-SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "hf_elixir": setup_elixir}
+SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "hf_elixir": setup_elixir,
+           "hf_elixir_tensor": setup_elixir_tensor}
 
 
 def run_system(name: str, model_name: str, args, systems: dict | None = None) -> dict:
@@ -142,10 +179,30 @@ def run_system(name: str, model_name: str, args, systems: dict | None = None) ->
         if i >= args.warmup:
             times.append(elapsed)
     out = {"median_step_s": statistics.median(times), "step_times_s": times, "losses": losses}
+    out["bytes_per_step"] = counted_step(step, info, rank, world, args.warmup + args.steps, args, vocab)
     if callable(info):
         out.update(info())
+        if hasattr(info, "comm_window"):
+            out["runtime_bytes_per_step"] = info.comm_window(reset=False)
     del model, step
     return out
+
+
+def counted_step(step, info, rank: int, world: int, index: int, args, vocab: int) -> dict:
+    """One more step under a WireCounter: the bytes this rank received, by kind."""
+    from hf_elixir.runtime.comm_count import WireCounter
+
+    window = getattr(info, "comm_window", None)
+    if window is not None:
+        window(reset=True)
+    ids = batch_for(rank, world, index, args.global_batch, args.seq_len, vocab)
+    counter = WireCounter()
+    dist.barrier()
+    with counter:
+        step(ids)
+    dist.barrier()
+    # collectives the counter cannot classify (none for these three systems) are named, not hidden
+    return dict(counter.counter.bytes, total=counter.counter.total(), unclassified=dict(counter.unknown))
 
 
 def worker(rank: int, world: int, port: int, args, queue, systems: dict | None = None) -> None:
@@ -157,7 +214,7 @@ def worker(rank: int, world: int, port: int, args, queue, systems: dict | None =
         for system in args.systems:
             res = run_system(system, model_name, args, systems)
             if rank == 0:
-                print(f"{model_name:10s} {system:10s} median step {res['median_step_s']:.3f} s", flush=True)
+                print(f"{model_name:10s} {system:16s} median step {res['median_step_s']:.3f} s", flush=True)
             results.setdefault(model_name, {})[system] = res
     if rank == 0:
         queue.put(results)
@@ -180,11 +237,17 @@ def summarise(results: dict, args) -> dict:
                 "first_losses": res["losses"][:2],
                 "losses_match": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref_losses, res["losses"][:2])),
             }
-            for key in ("n_chunks", "chunk_size", "peak_device_bytes", "cache_stats"):
+            for key in ("n_chunks", "chunk_size", "rcache_blocks", "peak_device_bytes", "cache_stats",
+                        "bytes_per_step", "runtime_bytes_per_step", "predicted_bytes_per_step"):
                 if key in res:
                     rows[system][key] = res[key]
-        if "hf_elixir" in rows and "fsdp2" in rows:
-            rows["hf_elixir"]["ratio_to_fsdp2"] = rows["hf_elixir"]["median_step_s"] / rows["fsdp2"]["median_step_s"]
+        if "fsdp2" in rows:
+            fsdp2 = rows["fsdp2"]
+            for name in ("hf_elixir", "hf_elixir_tensor"):
+                if name in rows:
+                    rows[name]["ratio_to_fsdp2"] = rows[name]["median_step_s"] / fsdp2["median_step_s"]
+                    rows[name]["bytes_ratio_to_fsdp2"] = (rows[name]["bytes_per_step"]["total"]
+                                                         / fsdp2["bytes_per_step"]["total"])
         summary[model_name] = rows
     return summary
 
@@ -209,7 +272,7 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
     for ax, (model_name, rows) in zip(axes[0], summary.items()):
         names = list(rows)
-        ax.bar(names, [rows[n]["median_step_s"] for n in names], color=["#888", "#c66", "#4a7"][: len(names)])
+        ax.bar(names, [rows[n]["median_step_s"] for n in names], color=["#888", "#c66", "#4a7", "#7a4"][: len(names)])
         ax.set_title(f"{model_name}: median step (s)")
         for i, n in enumerate(names):
             r = rows[n]["ratio_to_ddp"]
@@ -275,14 +338,30 @@ def main() -> None:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=1))
     plot(summary, args.output.with_suffix(".png"))
-    print(f"\n{'model':10s} {'system':10s} {'step s':>8s} {'tok/s':>8s} {'xDDP':>6s} {'xFSDP2':>7s} losses")
+    print(f"\n{'model':10s} {'system':16s} {'step s':>8s} {'tok/s':>8s} {'xDDP':>6s} {'xFSDP2':>7s} losses")
     for model_name, rows in summary.items():
         for system, row in rows.items():
             xf = row.get("ratio_to_fsdp2")
-            print(f"{model_name:10s} {system:10s} {row['median_step_s']:8.3f} {row['tokens_per_s']:8.0f} "
+            print(f"{model_name:10s} {system:16s} {row['median_step_s']:8.3f} {row['tokens_per_s']:8.0f} "
                   f"{row['ratio_to_ddp'] or 0:6.2f} {'' if xf is None else f'{xf:7.2f}'} "
                   f"{'equal' if row['losses_match'] else 'DIFFER'}")
+    print_bytes(summary)
     print(f"wrote {args.output}")
+
+
+def print_bytes(summary: dict) -> None:
+    """Bytes per step each rank receives, by kind (the WireCounter's convention)."""
+    kinds = ("all_gather", "broadcast", "reduce_scatter", "all_reduce")
+    print(f"\nbytes per step per rank (MB): {'model':10s} {'system':16s} "
+          + " ".join(f"{k:>14s}" for k in kinds) + f" {'total':>9s} {'xFSDP2':>7s}")
+    for model_name, rows in summary.items():
+        for system, row in rows.items():
+            b = row["bytes_per_step"]
+            xf = row.get("bytes_ratio_to_fsdp2")
+            print(f"{'':29s}{model_name:10s} {system:16s} " + " ".join(f"{b[k] / 1e6:14.2f}" for k in kinds)
+                  + f" {b['total'] / 1e6:9.2f} {'' if xf is None else f'{xf:7.2f}'}")
+    print("hf_elixir: gloo's strategy (gathers as broadcasts, gradients all-reduced); "
+          "hf_elixir_tensor: the all-gather/reduce-scatter NCCL runs")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,30 @@ def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
 
 
+#: parameter offsets inside a chunk (and shard boundaries) are multiples of this many bytes,
+#: so every parameter view starts where vectorised kernels want it to
+ALIGN_BYTES = 16
+
+
+def _round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def chunk_layout(numels: Iterable[int], itemsize: int, world_size: int) -> tuple[int, list[int]]:
+    """How the runtime lays out one chunk: (its size in elements, each parameter's offset).
+
+    Offsets are ``ALIGN_BYTES``-aligned and the size a multiple of W alignments, so shard
+    boundaries are aligned too. A chunk is as large as its contents plus this padding, not
+    the plan's chunk_size. The planner's byte predictions use the same function, so the
+    padding it predicts is the padding the runtime moves."""
+    align = max(1, ALIGN_BYTES // itemsize)
+    offsets, end = [], 0
+    for n in numels:
+        offsets.append(_round_up(end, align))
+        end = offsets[-1] + n
+    return _round_up(end, align * world_size), offsets
+
+
 def model_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
     """A short digest of parameter names and shapes, to recognise a plan made for another model."""
     h = hashlib.sha256()

@@ -32,7 +32,7 @@ from torch import nn
 
 from hf_elixir import calibrate
 from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
-from hf_elixir.plan import cost
+from hf_elixir.plan import cost, traffic
 from hf_elixir.plan.needs import rcache_minimum
 from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError, canonical_dtype, model_signature
 from hf_elixir.profile.profiler import ModelProfile, profile_model
@@ -353,7 +353,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
                    "context_bytes": hw.context_bytes if hw.device_type == "cuda" else 0},
         **(extra or {}),
     }
-    return ElixirPlan(
+    result = ElixirPlan(
         world_size=W,
         chunk_size=c.chunk_size,
         chunks=plan_chunks,
@@ -367,6 +367,12 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         signature=model_signature(named),
         predictions=predictions,
     )
+    # bytes on the wire, as the runtime counts them (see traffic.py)
+    host = traffic.host_collectives(hw.device_type)
+    gathers = traffic.gathers_per_chunk(step.trace.pins, step.trace.module_params, chunks, c.rcache_blocks)
+    wire = traffic.plan_traffic(result, sizes, gathers, hw.device_type, host=host)
+    result.predictions.update(traffic.predictions(wire, gathers, host))
+    return result
 
 
 def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: HardwareProfile | str,

@@ -163,6 +163,7 @@ class Chunk:
         current = torch.cuda.current_stream(self.device)
         stream = self.copy_stream
         stream.wait_stream(current)  # the stale block may still be read by queued kernels
+        self.comm.counter.add("host_to_device", self.shard_size * self.dtype.itemsize)
         with torch.cuda.stream(stream):
             if self.comm.distributed:
                 self._upload_tmp = torch.empty(self.shard_size, dtype=self.dtype, device=self.device)
@@ -205,6 +206,7 @@ class Chunk:
         buffer (``fence_host``)."""
         stream = self.copy_stream
         stream.wait_event(readers_done)
+        self.comm.counter.add("host_to_device", self.staging.numel() * self.staging.element_size())
         with torch.cuda.stream(stream):
             self.shard.copy_(self.staging, non_blocking=True)
             self.upload_event = _record(stream)

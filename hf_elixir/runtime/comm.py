@@ -13,6 +13,10 @@ right backend over the same ranks is made once, at wrap time. Callers move host 
 (offloaded shards) to the device before a collective, so a host shard and a device shard
 never meet in one call.
 
+Every collective is counted in ``Collectives.counter`` (bytes received per rank, by kind;
+the convention is in ``hf_elixir.plan.traffic``), so ``ElixirModule.comm_report()`` can say
+what a step moved and the planner's prediction can be checked against it.
+
 The tensor collectives changed names in torch 2.13 (``all_gather_single``,
 ``reduce_scatter_single``); older releases only have ``all_gather_into_tensor`` and
 ``reduce_scatter_tensor``. Both are looked up when the groups are made, so every torch the
@@ -21,12 +25,13 @@ package accepts runs the same code.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
+
+from hf_elixir.plan.traffic import COLLECTIVES_ENV, CommCounter, host_collectives
 
 
 class _WaitAll:
@@ -57,17 +62,17 @@ class Work:
             then()
 
 
-def _accumulate(target: torch.Tensor, source: torch.Tensor, scale: float) -> None:
+def _accumulate(target: torch.Tensor, source: torch.Tensor, scale: float, counter: CommCounter) -> None:
     if source.device != target.device:
         # host-to-device may run async on the stream; device-to-host must be complete
         # before the CPU reads it
+        counter.add("device_to_host" if target.device.type == "cpu" else "host_to_device",
+                    source.numel() * source.element_size())
         source = source.to(target.device, non_blocking=target.device.type != "cpu")
     target.add_(source, alpha=scale)
 
 
-#: ``HF_ELIXIR_COLLECTIVES=tensor`` makes gloo run the tensor collectives NCCL runs (slower
-#: on gloo, see Collectives.host_strategy) so CPU tests exercise the GPU code path.
-COLLECTIVES_ENV = "HF_ELIXIR_COLLECTIVES"
+__all__ = ["COLLECTIVES_ENV", "Collectives", "CommCounter", "Work"]
 
 
 def collective_function(new: str, old: str) -> Callable:
@@ -102,21 +107,38 @@ def group_carries(backend: str, device: torch.device) -> bool:
 
 @dataclass
 class Collectives:
-    """The process groups the runtime talks over; world size 1 needs no group at all."""
+    """The process groups the runtime talks over; world size 1 needs no group at all.
+
+    gloo's collectives are not the ring algorithms NCCL runs, and the ones that should move
+    fewer bytes are not the faster ones. Measured with 2 ranks on one host (torch 2.13, fp32,
+    median of 5 after a warm-up, two runs on a shared 2-core machine):
+
+    ==========================================  ===============  ================
+    collective                                  4M elements      20M elements
+    ==========================================  ===============  ================
+    all_reduce (the full gradient)              0.012-0.017 s    0.065-0.072 s
+    W ``dist.reduce`` calls, one slice each     0.016-0.018 s    0.084-0.091 s
+    ``reduce_scatter`` (list of slices)         0.016-0.020 s    0.080-0.096 s
+    ``reduce_scatter_tensor`` (single tensor)   0.021-0.028 s    0.122-0.158 s
+    W broadcasts, one shard each (the gather)   0.009-0.010 s    0.032-0.038 s
+    ==========================================  ===============  ================
+
+    So on gloo (``gloo=True``) a gather is W broadcasts and a gradient reduction stays an
+    all-reduce of the full buffer: no reduce-scatter variant was as fast, although each
+    moves half the all-reduce's bytes (the counter records the all-reduce honestly, as
+    ``all_reduce``). NCCL uses the native all-gather and reduce-scatter.
+    """
 
     rank: int
     world_size: int
     gather_group: Optional[dist.ProcessGroup] = None
     reduce_group: Optional[dist.ProcessGroup] = None
-    # gloo's all-gather and reduce-scatter are slow (measured on 20M fp32 elements, 2 ranks:
-    # all-gather 0.062 s, reduce-scatter 0.083 s, all-reduce 0.044 s, one broadcast per
-    # rank 0.020 s), so on gloo a gather is W broadcasts and a reduce-scatter an
-    # all-reduce; NCCL uses the native collectives.
     gloo: bool = False  # host tensors: broadcasts and all-reduces (see above)
     global_ranks: tuple[int, ...] = ()
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     _gather_fn: Callable = field(default=None, repr=False)
     _reduce_scatter_fn: Callable = field(default=None, repr=False)
+    counter: CommCounter = field(default_factory=CommCounter, repr=False)
 
     @classmethod
     def create(cls, process_group: Optional[dist.ProcessGroup] = None,
@@ -139,7 +161,7 @@ class Collectives:
             # e.g. device="cpu" under an NCCL default group: same ranks, the device's backend
             process_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
         reduce_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        host = backend == "gloo" and os.environ.get(COLLECTIVES_ENV, "auto") != "tensor"
+        host = backend == "gloo" and host_collectives(device.type)
         return cls(rank=rank, world_size=world_size, gather_group=process_group,
                    reduce_group=reduce_group, gloo=host, global_ranks=tuple(ranks), device=device,
                    _gather_fn=collective_function("all_gather_single", "all_gather_into_tensor"),
@@ -165,6 +187,7 @@ class Collectives:
             output.copy_(shard)
             return Work()
         self._check_device(output, shard)
+        self.counter.collective("all_gather", output.numel() * output.element_size(), self.world_size)
         if self.gloo:  # gloo: one broadcast from each rank of its own shard
             n = shard.numel()
             output[self.rank * n : (self.rank + 1) * n].copy_(shard)
@@ -194,19 +217,22 @@ class Collectives:
         (shard-sized, ``full``'s dtype) is needed when reduce_needs_scratch."""
         n = target.numel()
         if not self.distributed:
-            return Work(None, then=lambda: _accumulate(target, full[:n], 1.0))
+            return Work(None, then=lambda: _accumulate(target, full[:n], 1.0, self.counter))
         self._check_device(full)
         if self.gloo:
             piece = full[self.rank * n : (self.rank + 1) * n]
+            self.counter.collective("all_reduce", full.numel() * full.element_size(), self.world_size)
             handle = dist.all_reduce(full, group=self.reduce_group, async_op=async_op)
-            return Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size))
-        return self.reduce_scatter_mean(scratch, full, async_op, then=lambda: _accumulate(target, scratch, 1.0))
+            return Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size, self.counter))
+        return self.reduce_scatter_mean(scratch, full, async_op,
+                                        then=lambda: _accumulate(target, scratch, 1.0, self.counter))
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False,
                             then: Optional[Callable[[], object]] = None) -> Work:
         """Write this rank's slice of the mean of ``full`` over ranks into ``out`` (a device
         tensor of ``full``'s dtype) with the tensor collective; ``then`` runs once it is done."""
         self._check_device(out, full)
+        self.counter.collective("reduce_scatter", full.numel() * full.element_size(), self.world_size)
         handle = self._reduce_scatter_fn(out, full, op=dist.ReduceOp.AVG, group=self.reduce_group,
                                          async_op=async_op)
         return Work(handle, then=then)
@@ -217,6 +243,7 @@ class Collectives:
         device (the one the groups were made for, not whatever device happens to be current)."""
         if self.distributed:
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+            self.counter.collective("all_reduce", tensor.numel() * tensor.element_size(), self.world_size)
             if tensor.device.type == self.device.type:
                 dist.all_reduce(tensor, op=red, group=self.reduce_group)
             else:
@@ -229,5 +256,7 @@ class Collectives:
         """Overwrite ``tensor`` with the group's first rank's copy (so all ranks start equal)."""
         if self.distributed:
             src = dist.get_global_rank(self.gather_group, 0)
+            self.counter.collective("broadcast", tensor.numel() * tensor.element_size(), self.world_size,
+                                    source=self.rank == 0)
             dist.broadcast(tensor, src=src, group=self.gather_group)
         return tensor

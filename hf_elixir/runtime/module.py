@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_elixir.plan.plan import ElixirPlan, PlanError
+from hf_elixir.plan.plan import ElixirPlan, PlanError, chunk_layout
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
@@ -29,11 +29,6 @@ from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.reduce import GradReducer
 
 _WRAPPED_ATTR = "_hf_elixir_wrapped"
-
-
-#: parameter offsets inside a chunk (and shard boundaries) are multiples of this many bytes,
-#: so every parameter view starts where vectorised kernels want it to
-ALIGN_BYTES = 16
 
 
 def resolve_device(device: Optional[torch.device | str] = None) -> torch.device:
@@ -88,10 +83,6 @@ def move_to_device(obj: Any, device: torch.device) -> Any:
         except Exception:
             return moved
     return obj
-
-
-def _aligned(n: int, align: int) -> int:
-    return -(-n // align) * align
 
 
 def _pinned_pool(dtype: torch.dtype, sizes: list[int]) -> list[torch.Tensor]:
@@ -208,20 +199,13 @@ class ElixirModule(nn.Module):
                 mod._buffers[name] = buf
 
     def _layout(self) -> list[tuple[int, list[int]]]:
-        """Per chunk: its size and its parameters' offsets. Offsets are ALIGN_BYTES-aligned and
-        the size a multiple of W alignments, so shard boundaries are aligned too. A chunk is
-        as large as its contents (plus alignment), not plan.chunk_size: partly filled chunks
-        waste no memory."""
+        """Per chunk: its size and its parameters' offsets (``chunk_layout``: ALIGN_BYTES-aligned
+        offsets and shard boundaries; a chunk is as large as its contents, not
+        plan.chunk_size, so partly filled chunks waste no memory)."""
         named = dict(self.module.named_parameters())
-        align = max(1, ALIGN_BYTES // self.dtype.itemsize)
-        out = []
-        for cplan in self.plan.chunks:
-            offsets, end = [], 0
-            for name in cplan.params:
-                offsets.append(_aligned(end, align))
-                end = offsets[-1] + named[name].numel()
-            out.append((_aligned(end, align * self.comm.world_size), offsets))
-        return out
+        return [chunk_layout([named[name].numel() for name in cplan.params], self.dtype.itemsize,
+                             self.comm.world_size)
+                for cplan in self.plan.chunks]
 
     def _host_buffers(self, layout: list[tuple[int, list[int]]]) -> tuple[dict, dict]:
         """Pinned host memory, only for what crosses PCIe and only with a CUDA device: one
@@ -328,6 +312,7 @@ class ElixirModule(nn.Module):
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The model's forward, with tensor inputs moved to the compute device."""
         args, kwargs = move_to_device((args, kwargs), self.device)
+        self.comm.counter.forward_passes += 1
         return self.module(*args, **kwargs)
 
     @torch.no_grad()
@@ -382,6 +367,22 @@ class ElixirModule(nn.Module):
             [c.full_bytes for c in self.chunks if not c.in_place] or [self.plan.chunk_size * self.dtype.itemsize])
         report["rcache_blocks"] = self.plan.rcache_blocks
         report["cache_stats"] = dict(vars(self.cache.stats))
+        report["comm"] = self.comm_report()
+        return report
+
+    def comm_report(self, reset: bool = False) -> dict:
+        """Bytes this rank received since the last reset, by kind (``bytes``: all_gather,
+        reduce_scatter, all_reduce, broadcast, host_to_device, device_to_host; the convention
+        is in ``hf_elixir.plan.traffic``), the calls by kind, and what they are per: optimizer
+        ``steps``, ``forward_passes`` (calls of this module) and ``backward_passes``.
+        ``reset=True`` starts a new count after reading this one. A gather the optimizer
+        step prefetches for the next pass counts in the window it is issued in, so a window
+        from just after one ``step()`` to just after a later one holds whole steps.
+
+        The planner's ``plan.predictions["comm_bytes_by_kind"]`` is one step of this."""
+        report = self.comm.counter.report()
+        if reset:
+            self.comm.counter.reset()
         return report
 
     # ------------------------------------------------------------------ names and state

@@ -282,6 +282,7 @@ class ElixirOptimizer(Optimizer):
             if found:  # skipped on every rank: the flag was all-reduced
                 self.zero_grad()
                 self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
+                self.module.comm.counter.steps += 1
                 return loss
         active = self.module.reducer.global_seen()
         # gathered views of the old shards are dropped and every copy reading host shards is
@@ -319,6 +320,7 @@ class ElixirOptimizer(Optimizer):
         self.module.prefetch_next_pass()
         self.module.reducer.clear_seen()
         self._grads_unscaled = False
+        self.module.comm.counter.steps += 1
         return loss
 
     @staticmethod

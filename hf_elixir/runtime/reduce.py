@@ -119,6 +119,7 @@ class GradReducer:
         if chunk in self.downloads:  # its last download is not added in yet (a late chunk)
             self._drain_downloads()
         chunk.wait_upload()  # the staging buffer may still be feeding the last upload
+        self.comm.counter.add("device_to_host", reduced.numel() * reduced.element_size())
         chunk.staging.copy_(reduced, non_blocking=True)
         self.downloads.append(chunk)
 
@@ -161,6 +162,7 @@ class GradReducer:
             chunk.reduced = False
         self.late.clear()
         self.next = len(self.chunks) - 1
+        self.comm.counter.backward_passes += 1
 
     def agreed_late(self) -> list[int]:
         """The chunks late on any rank, in descending order (every rank gets the same list).
