@@ -1,33 +1,41 @@
 """The cost model: predicted peak device memory and step time of one candidate plan.
 
-Memory (per rank, on the compute device) mirrors what the runtime allocates:
+Memory (per rank, on the compute device) mirrors what the runtime allocates. Chunks are as
+large as their contents (``layout_sizes``: parameters on 16-byte boundaries, the chunk
+rounded to W alignments), not ``chunk_size``:
 
 =====================  ==========================================================================
-parameter shards       chunks with param_placement "device": n * chunk_size/W * compute bytes
+parameter shards       compute-dtype shards of the chunks whose parameters live on the device
 master weights         fp32 shard (4 B/element) per chunk whose optimizer runs on the device;
                        aliased with the parameter shard when the compute dtype is fp32
 optimizer state        AdamW/Adam: exp_avg + exp_avg_sq (8 B/element); SGD: momentum (4 B/element)
 gradients              fp32 gradient shard (4 B/element) per device-optimizer chunk, plus the
-                       full-chunk gradient buffers (compute dtype) alive at once in backward
-                       (``grad_buffer_chunks``: at least ``GRAD_BUFFER_CHUNKS``)
-rCache                 rcache_blocks * chunk_size * compute bytes
-activations            the profiler's peak of live activations and temporaries
+                       full-chunk gradient buffers alive at the step's peak instant
+rCache                 gathered blocks, made on first use and kept: the largest
+                       ``rcache_blocks`` chunks at worst (at world size 1 only offloaded ones)
+activations            the profiler's live activations and temporaries at the peak instant
 frozen                 parameters that need no gradient and buffers, kept whole on the device
-margin                 ``ALLOCATOR_MARGIN`` of all the above (fragmentation of the caching
-                       allocator) plus the hardware's ``context_bytes`` (CUDA context, NCCL)
+margin                 ``allocator_margin``: 5% on CUDA (fragmentation of the caching
+                       allocator), none on a CPU, plus the hardware's ``context_bytes``
 =====================  ==========================================================================
 
-Time comes from a small event simulation of one step that follows the traced module order:
-each module computes for its share of the step's FLOPs at the achievable matmul rate; the
-chunks it needs that are not in the rCache (a Belady replay of the trace decides which) are
-all-gathered on a communication stream that runs beside compute, issued ``prefetch_depth``
-modules ahead (0: when the module is reached, so nothing overlaps); a chunk's gradient is
-reduce-scattered on the same stream once its last backward user ran. Chunks whose optimizer
-runs on the CPU copy their gradient shard to the host during backward; their updates start
-when backward ends (clipping and the fp16 overflow check need every gradient) and run beside
-the device optimizer, followed by a copy of the new compute-dtype shard back. Chunks whose
-parameters live on the CPU pay a host-to-device copy on every gather. The step ends when both
-the device optimizer and the CPU pipeline are done.
+Activations peak at the loss, gradient buffers later in backward; ``aligned_peak`` adds the
+two at the same instant (per fetch event) rather than adding their separate peaks.
+
+Time comes from a small event simulation of one step that follows the traced fetch order.
+Between two fetch events the compute stream runs the operators the profiler saw there
+(``EventWork``), priced by ``hf_elixir.calibrate.price``: each matmul at the measured rate
+of a matmul its size, every other operator by the bytes it moves plus a cost per call,
+scaled by the calibrated block efficiency. The runtime's own copies (a rank's shard into
+the gathered block, parameter gradients into the chunk's gradient buffer) run on the
+compute stream too. The chunks an event needs that are not in the rCache (a Belady replay of
+the trace decides which) are all-gathered on a communication stream beside compute, issued
+``prefetch_depth`` events ahead; a chunk's gradient is reduced on the same stream once its
+last backward user ran. On a CPU whose cores all run ranks, communication cannot hide behind
+compute (``Links.overlap``). After backward: on a GPU, chunks whose optimizer runs on the
+CPU copy their gradient shards down and updates run beside the device optimizer
+(``cpu_pipeline``); on a CPU device clipping, AdamW and offload copies share the rank's
+cores (``after_backward``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from hf_elixir.hardware import HardwareProfile
+from hf_elixir.plan.plan import chunk_layout
 
 #: fraction added to the predicted bytes for fragmentation of CUDA's caching allocator
 ALLOCATOR_MARGIN = 0.05
@@ -77,25 +86,11 @@ def pack(order: Sequence[str], sizes: dict[str, int], chunk_size: int) -> list[l
     return chunks
 
 
-#: parameter offsets inside a chunk are aligned to this many bytes (the runtime lays chunks
-#: out this way: ``ElixirModule._layout``), and a chunk to W times it, so shards align too
-ALIGN_BYTES = 16
-
-
 def layout_sizes(chunks: Sequence[Sequence[str]], sizes: dict[str, int], world_size: int,
                  elem_bytes: int) -> list[int]:
-    """Elements of each chunk as the runtime allocates it: its contents, each parameter
-    starting on an ``ALIGN_BYTES`` boundary, rounded up to W alignments. A chunk is as large
-    as what it holds, not ``chunk_size``."""
-    align = max(1, ALIGN_BYTES // elem_bytes)
-    out = []
-    for names in chunks:
-        end = 0
-        for name in names:
-            end = -(-end // align) * align + sizes[name]
-        unit = align * world_size
-        out.append(-(-end // unit) * unit)
-    return out
+    """Elements of each chunk as the runtime allocates it (``plan.chunk_layout``): its
+    contents with aligned offsets, not ``chunk_size``."""
+    return [chunk_layout([sizes[n] for n in names], elem_bytes, world_size)[0] for names in chunks]
 
 
 def chunk_size_candidates(sizes: Iterable[int], world_size: int, limit: int = 8) -> list[int]:

@@ -208,7 +208,7 @@ class ElixirPlan:
                 groups.append([name])
                 used = chunk_size
                 continue
-            if used + p.numel() > fill:
+            if not groups or used + p.numel() > fill:  # (a zero-size parameter opens one too)
                 groups.append([])
                 used = 0
             groups[-1].append(name)

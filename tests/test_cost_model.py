@@ -1,0 +1,138 @@
+"""The cost model's pieces against independent references (issue 9).
+
+Timings are never asserted here (benchmarks/bench_planner.py compares predicted and measured
+times on a quiet machine); what is checked is that the model prices what really runs: every
+operator the profiler saw, chunks as large as the runtime lays them out, the persistent
+memory the runtime's ledger holds, and activations and gradient buffers at one instant.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config
+
+import hf_elixir as hfe
+from hf_elixir.calibrate import ComputeFigures, price
+from hf_elixir.plan import cost, search
+from hf_elixir.profile import profile_model
+from hf_elixir.profile.trace import EventWork
+
+
+def tiny_gpt2():
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128, n_positions=64)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    """A model only planned (never wrapped: ElixirModule empties a model's own parameters)."""
+    model = tiny_gpt2()
+    return model, profile_model(model, (2, 32), dtype="float32", attention_target="cpu")
+
+
+def test_event_work_covers_every_operator_of_the_step(gpt2):
+    """Each fetch event carries the operators up to the next one; together they are the
+    whole step: the same FLOPs as the profiler's total, recomputation included."""
+    _, prof = gpt2
+    for step in (prof.plain, prof.checkpointed):
+        tr = step.trace
+        assert len(tr.work) == len(tr.events) == len(tr.live)
+        assert sum(w.flops for w in tr.work) == step.memory.flops
+        assert sum(w.bytes for w in tr.work) > 0 and all(w.ops >= 0 for w in tr.work)
+        assert max(top for _, top in tr.live) <= step.memory.peak
+    assert sum(w.flops for w in prof.checkpointed.trace.work) > sum(w.flops for w in prof.plain.trace.work)
+
+
+def test_layout_sizes_are_the_runtimes_chunk_sizes(gpt2):
+    """The planner sizes chunks as ElixirModule lays them out (alignment, no padding to
+    chunk_size), so its memory and byte predictions use the sizes that are allocated."""
+    model, prof = gpt2
+    sizes = {p.name: p.numel for p in prof.params}
+    for W in (1, 2, 3):
+        p = hfe.ElixirPlan.simple(model, world_size=W, chunk_size=20000, example_batch=(2, 32))
+        chunks = [c.params for c in p.chunks]
+        if W == 1:
+            em = hfe.ElixirModule(tiny_gpt2(), p)
+            assert [c.size for c in em.chunks] == cost.layout_sizes(chunks, sizes, 1, 4)
+        # the runtime lays chunks out with plan.chunk_layout; an independent statement of
+        # its rule: 16-byte aligned offsets, the total rounded to W alignments
+        expected = []
+        for names in chunks:
+            end = 0
+            for n in names:
+                end = -(-end // 4) * 4 + sizes[n]
+            expected.append(-(-end // (4 * W)) * (4 * W))
+        assert cost.layout_sizes(chunks, sizes, W, 4) == expected
+
+
+def test_predicted_persistent_memory_equals_the_ledger(gpt2):
+    """Parameter shards, optimizer state and gradient shards as predicted equal what the
+    runtime's ledger holds after a step (one rank, half the optimizer state offloaded)."""
+    model, prof = gpt2
+    hw = hfe.HardwareProfile.preset("cpu")
+    cands, packings = search.enumerate_candidates(prof, hw, 1, "float32", "adamw")
+    c = next(c for c in cands if c.n_chunks >= 2 and c.n_optim_cpu == c.n_chunks // 2 and c.n_param_cpu == 0)
+    plan = search.materialize(c, packings[c.chunk_size], prof, hw, 1, "float32", "adamw", c.peak)
+    model = tiny_gpt2()
+    em = hfe.ElixirModule(model, plan)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 128, (2, 32))
+    opt.backward(em(input_ids=ids, labels=ids).loss)
+    opt.step()
+    opt.zero_grad()
+    held = em.memory_report()["current"]
+    mem = plan.predictions["memory"]
+    assert held["param_shards"] == mem["parameters"]
+    assert held["optimizer_state"] == mem["optimizer_state"] + mem["master_weights"]
+    assert held["grad_shards"] == mem["gradients"] - _buffers_at_peak(plan)
+    assert held["rcache"] == mem["rcache"] == 0  # one rank: every device shard is its own block
+
+
+def _buffers_at_peak(plan) -> int:
+    mem = plan.predictions["memory"]
+    dev_elems = sum(ch.numel for ch in plan.chunks if ch.optim_placement == "device")
+    return mem["gradients"] - dev_elems * 4
+
+
+def test_aligned_peak_adds_what_coexists():
+    """Activations peaking at the loss and gradient buffers peaking later are not added at
+    their separate maxima."""
+    live = [(0, 100), (100, 900), (800, 500), (500, 300)]
+    buffers = [0.0, 0.0, 200.0, 700.0]
+    assert cost.aligned_peak(live, buffers) == (300.0, 700.0)  # not 900 + 700
+    assert cost.aligned_peak(live, [0.0, 0.0, 500.0, 0.0]) == (500.0, 500.0)
+
+
+def test_pricing_follows_the_measured_figures():
+    """Matmuls are priced at the rate of their own size (log-log between measured points,
+    clamped outside), other operators by bytes and calls, all scaled by the efficiency."""
+    figs = ComputeFigures(matmul_curve={"float32": [[1e6, 1e10], [1e8, 1e11]]}, elementwise_bandwidth=1e9,
+                          op_overhead=1e-5, efficiency=2.0)
+    assert figs.matmul_rate("float32", 1e5) == 1e10
+    assert figs.matmul_rate("float32", 1e9) == 1e11
+    assert figs.matmul_rate("float32", 1e7) == pytest.approx(10 ** 10.5)
+    w = EventWork()
+    w.add(2**20, 0)            # one matmul of 2**20 FLOPs
+    w.add(0, 10**6)            # one element-wise operator moving 1 MB
+    expected = 2**20 / figs.matmul_rate("float32", 2**20.5) + 1e6 / 1e9 + 2 * 1e-5
+    assert price(w, figs, "float32") == pytest.approx(2.0 * expected)
+
+
+def test_cpu_ranks_sharing_every_core_cannot_hide_communication():
+    hw = hfe.HardwareProfile.preset("cpu").with_cluster(gpus_per_node=2)
+    figs = ComputeFigures(threads=1)
+    import os
+
+    links = cost.Links.of(hw, 2, figs)
+    assert links.overlap == max(0.0, 1.0 - 2 / (os.cpu_count() or 1))
+    gpu = cost.Links.of(hfe.HardwareProfile.preset("a100-80g").with_cluster(gpus_per_node=2), 2, figs)
+    assert gpu.overlap == 1.0
+    seq = [cost.Access("forward", "a", (0,), 1.0), cost.Access("forward", "b", (1,), 1.0),
+           cost.Access("backward", "b", (1,), 2.0), cost.Access("backward", "a", (0,), 2.0)]
+    misses = [(0,), (1,), (), ()]  # b's gather can run during a's forward
+    hidden = cost.simulate(seq, misses, [1e9, 1e9], 2, gpu, prefetch=1)
+    serial = cost.simulate(seq, misses, [1e9, 1e9], 2, cost.Links(**{**vars(gpu), "overlap": 0.0}), prefetch=1)
+    assert serial.backward_end == pytest.approx(hidden.compute + hidden.comm_busy)
+    assert hidden.backward_end < serial.backward_end
