@@ -76,9 +76,9 @@ def test_searched_plan_trains_like_pytorch_within_predicted_memory(arch, budget)
         mem = res[(arch, budget)]["memory"]
         measured = mem["peak_total"]
         assert measured <= pred["peak_bytes"], (arch, budget, rank, measured, pred["peak_bytes"])
-        # the runtime's bytes, without activations, are within the non-activation prediction
-        non_act = pred["peak_bytes"] - pred["memory"]["activations"]
-        assert measured <= non_act, (arch, budget, rank, mem["peak"], pred["memory"])
+        # the runtime's own bytes at their peak are within what the planner says its ledger
+        # holds then (gradient buffers peak later in backward than the step's total)
+        assert measured <= pred["memory"]["ledger_peak"], (arch, budget, rank, mem["peak"], pred["memory"])
     if budget == "roomy":
         assert plan.offload_fraction() == 0 and plan.rcache_blocks >= plan.n_chunks
     else:

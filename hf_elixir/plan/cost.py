@@ -263,6 +263,10 @@ class Links:
                    overlap=overlap)
 
 
+#: reductions the runtime keeps pending before it completes the oldest (runtime/reduce.py)
+REDUCTIONS_IN_FLIGHT = 2
+
+
 def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes: Sequence[float],
              world_size: int, links: Links, prefetch: int,
              param_cpu: set[int] | frozenset = frozenset()) -> SimResult:
@@ -271,8 +275,8 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     Besides the model's own operators, the compute stream carries the runtime's copies: a
     rank's shard into the gathered block, and each chunk's parameter gradients into its
     full-chunk gradient buffer (read and written once) when its last backward user ran.
-    The buffer lives from the chunk's first backward use until its reduction completes;
-    ``grad_buffers`` holds their bytes per access for the memory model. ``chunk_bytes``:
+    The buffer lives from the chunk's first backward use until the runtime completes its
+    reduction, ``REDUCTIONS_IN_FLIGHT`` reductions later; ``grad_buffers`` holds their bytes per access for the memory model. ``chunk_bytes``:
     each chunk's size as laid out (``layout_sizes``) times the compute dtype's bytes.
     """
     W = world_size
@@ -348,10 +352,13 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     end = max(t, comm)
     hidden = busy - (end - compute)
     end += (1.0 - links.overlap) * max(0.0, hidden)
-    spans = []
-    for c in range(n_chunks):
-        end_e = next((e for e in range(max(first_bwd[c], 0), E) if starts[e] >= rs_done[c]), E)
-        spans.append((first_bwd[c], end_e))
+    # The runtime keeps REDUCTIONS_IN_FLIGHT reductions pending and completes (frees) the
+    # oldest when another is issued; the rest complete when backward ends.
+    issued_at = sorted((last_bwd[c], c) for c in range(n_chunks) if last_bwd[c] >= 0)
+    spans = [(first_bwd[c], E) for c in range(n_chunks)]
+    for j, (e_issue, c) in enumerate(issued_at):
+        if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
+            spans[c] = (first_bwd[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1)
     sim_buffers = SimResult(0, 0, 0, 0, 0, [], 0, buffer_spans=spans, grad_buffers=[0.0] * E)
     buffers = sim_buffers.buffers_of(range(n_chunks), chunk_bytes)
     gathered = sum(chunk_bytes[c] for m in misses for c in m)

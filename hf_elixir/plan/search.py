@@ -183,6 +183,11 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
     act, buf = cost.aligned_peak(x.live, buffers)
     mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, k, p, act, x.frozen, x.context, buf,
                       cost.allocator_margin(hw))
+    memory = mem.as_dict()
+    # what the runtime's ledger holds at its own peak (no activations, no frozen parameters):
+    # its gradient buffers peak later in backward than the step's total does
+    memory["ledger_peak"] = int(mem.parameters + mem.master_weights + mem.optimizer_state + mem.rcache
+                                + mem.gradients - buf + max(buffers, default=0.0))
     shards = [e / W for e in x.elems]
     off, off_params = sum(shards[n - k:]), sum(shards[n - p:])
     if hw.device_type == "cpu":  # optimizer, clipping and offload copies share the rank's cores
@@ -202,7 +207,7 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
         chunk_size=x.S, n_chunks=n, checkpointing=x.ckpt, rcache_blocks=R, prefetch_depth=d,
         n_optim_cpu=k, n_param_cpu=p, peak=mem.total(), step_time=step,
         comm_bytes=sim.gather_bytes + sum(x.elems) * cb * (W - 1) / W, pcie_bytes=pcie,
-        memory=mem.as_dict(),
+        memory=memory,
         time={
             "forward_backward": sim.backward_end,
             "compute": sim.compute,

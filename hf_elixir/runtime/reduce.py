@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from hf_elixir.plan.cost import REDUCTIONS_IN_FLIGHT
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
 from hf_elixir.runtime.ledger import MemoryLedger
@@ -38,7 +39,7 @@ class GradReducer:
         comm: Collectives,
         ledger: MemoryLedger,
         n_slots: int,
-        max_in_flight: int = 2,
+        max_in_flight: int = REDUCTIONS_IN_FLIGHT,
     ) -> None:
         self.chunks = chunks
         self.comm = comm
