@@ -181,7 +181,7 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
         dist.barrier()
         if i >= warmup:
             times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
     # memory: what the runtime holds before a step plus what the allocator gives out in it
     held = em.memory_report()["current_total"]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
@@ -192,6 +192,7 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
            "measured_peak_bytes": held + buffers + during, "held_bytes": held,
            "step_allocations_peak": during, "losses": losses,
            "cache_stats": em.memory_report()["cache_stats"]}
+    em.drain()  # prefetched gathers of the next pass may still be writing into its blocks
     del em, opt, model
     gc.collect()
     return out
