@@ -7,14 +7,16 @@ that is what is measured here, rather than a peak matmul rate:
 
 - **matmul rate by size**: the three matmuls of a linear layer's forward and backward
   (``x @ w``, ``g @ w.T``, ``x.T @ g``) at a ladder of sizes;
-- **element-wise bandwidth**: out-of-place operators on tens of MB, each writing a fresh
-  tensor as real kernels do (on a CPU that includes the page faults of first touch, which
-  dominate a large fill or add);
+- **memory rates**: reading (and rewriting in place) mapped memory, and, by size, writing a
+  newly allocated output (on a CPU a large one pays the page faults of first touch, which
+  dominate a large fill or add: 77 MB of zeros take 50 ms on one core here, an in-place add
+  over them 7 ms);
 - **cost per operator call**: a chain of tiny operators through forward and backward, so
   dispatch and autograd bookkeeping are in it;
-- **a transformer block's forward and backward** at two shapes, measured and then priced
-  from its own meta trace with the figures above; the ratio is ``efficiency``, the
-  correction the cost model applies to what the per-operator figures miss;
+- **a small causal LM's forward and backward** (embedding, a transformer block, the LM head
+  and the loss) at three shapes, measured and then priced from its own meta trace with the
+  figures above; the ratio is ``efficiency``, the correction the cost model applies to what
+  the per-operator figures miss;
 - **the optimizer kernel the runtime uses** (fused AdamW over views of one flat shard);
 - **the runtime's own collectives** (``hf_elixir.runtime.comm.Collectives``) between two
   local processes at chunk-sized buffers, all-gather and gradient reduction separately
@@ -46,6 +48,17 @@ _MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536)
 _MM_SHAPES_QUICK = [(64, 128, 128), (256, 384, 384), (256, 768, 3072)]
 
 
+def _interp(curve: list[list[float]], x: float) -> float:
+    """Log-log interpolation in ``[[x, y], ...]`` (ascending x), clamped at the ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return curve[-1][1]
+
+
 @dataclass
 class ComputeFigures:
     """How fast one rank computes, for the per-operator cost model.
@@ -53,15 +66,19 @@ class ComputeFigures:
     Attributes:
         matmul_curve: dtype -> ``[[flops_per_call, flop_per_s], ...]`` ascending; the rate of a
             matmul is interpolated log-log between the points (clamped at the ends).
-        elementwise_bandwidth: bytes/s an operator that is not a matmul moves (read + written).
+        read_bandwidth: bytes/s an operator reads (or rewrites in place) from mapped memory.
+        write_curve: ``[[bytes, bytes_per_s], ...]``: the rate of writing a newly allocated
+            output of that size (on a CPU a large one pays a page fault per page).
         op_overhead: seconds per operator call (dispatch, autograd), whatever its size.
-        efficiency: measured / priced time of a transformer block's forward and backward.
+        efficiency: measured / priced time of a small causal LM's forward and backward
+            (embedding, a transformer block, the LM head and the loss).
         adam_rate: fused AdamW, elements/s for one rank.
         threads: torch threads per rank these figures were measured with.
     """
 
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
-    elementwise_bandwidth: float = 10e9
+    read_bandwidth: float = 10e9
+    write_curve: list[list[float]] = field(default_factory=lambda: [[1.0, 10e9]])
     op_overhead: float = 10e-6
     efficiency: float = 1.0
     adam_rate: float = 1e9
@@ -71,13 +88,14 @@ class ComputeFigures:
         curve = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
         if not curve:
             raise KeyError(dtype)
-        if flops <= curve[0][0]:
-            return curve[0][1]
-        for (f0, r0), (f1, r1) in zip(curve, curve[1:]):
-            if flops <= f1:
-                w = (math.log(flops) - math.log(f0)) / (math.log(f1) - math.log(f0))
-                return math.exp(math.log(r0) + w * (math.log(r1) - math.log(r0)))
-        return curve[-1][1]
+        return _interp(curve, flops)
+
+    def write_rate(self, nbytes: float) -> float:
+        return _interp(self.write_curve, nbytes)
+
+    def copy_seconds(self, nbytes: float, fresh: bool) -> float:
+        """A copy of ``nbytes`` into a new tensor (``fresh``) or into mapped memory."""
+        return nbytes / self.read_bandwidth + (nbytes / self.write_rate(nbytes) if fresh else 0.0)
 
     @classmethod
     def from_dict(cls, data: dict) -> "ComputeFigures":
@@ -115,7 +133,7 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
     for dtype in dtypes:
         figs.matmul_curve[dtype] = _matmul_curve(device, _torch_dtype(dtype), sync, quick)
     figs.op_overhead = _op_overhead(device, sync)
-    figs.elementwise_bandwidth = _elementwise_bandwidth(device, sync, figs.op_overhead, quick)
+    figs.read_bandwidth, figs.write_curve = _memory_rates(device, sync, figs.op_overhead, quick)
     figs.adam_rate = adam_rate(device, (1 if quick else 8) * 2**20, sync)
     figs.efficiency = block_efficiency(figs, device, sync, quick)
     return figs
@@ -133,13 +151,14 @@ def _matmul_curve(device, dtype, sync, quick) -> list[list[float]]:
         if device.type == "cpu" and flops > (2e9 if quick else 2e10):
             continue
         x = torch.randn(t, k, device=device, dtype=dtype)
-        w = torch.randn(k, n, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)  # nn.Linear's layout: (out, in)
         g = torch.randn(t, n, device=device, dtype=dtype)
+        y, dx, dw = torch.empty(t, n, **_like(x)), torch.empty(t, k, **_like(x)), torch.empty(n, k, **_like(x))
 
-        def triplet():
-            x @ w
-            g @ w.t()
-            x.t() @ g
+        def triplet():  # into existing outputs: writing fresh memory is priced apart
+            torch.mm(x, w.t(), out=y)
+            torch.mm(g, w, out=dx)
+            torch.mm(g.t(), x, out=dw)
 
         sec = best_time(triplet, repeat=3, sync=sync, budget=budget)
         points[flops] = max(points.get(flops, 0.0), 3 * flops / sec)
@@ -150,6 +169,10 @@ def _matmul_curve(device, dtype, sync, quick) -> list[list[float]]:
         best = max(best, r)
         out.append([f, best])
     return out
+
+
+def _like(t: torch.Tensor) -> dict:
+    return {"device": t.device, "dtype": t.dtype}
 
 
 def _op_overhead(device, sync) -> float:
@@ -167,19 +190,27 @@ def _op_overhead(device, sync) -> float:
     return best_time(chain, repeat=5, sync=sync) / (2 * n + 3)
 
 
-def _elementwise_bandwidth(device, sync, overhead: float, quick: bool) -> float:
-    """Bytes/s of out-of-place element-wise operators whose outputs are fresh allocations."""
+def _memory_rates(device, sync, overhead: float, quick: bool) -> tuple[float, list[list[float]]]:
+    """Read bandwidth (an in-place add over mapped memory) and, by size, the rate of writing
+    a newly allocated output (an out-of-place add, less its reads)."""
     n = (4 if quick else 16) * 2**20
-    x = torch.randn(n, device=device)
-    y = torch.randn(n, device=device)
-    calls = 4
+    x, y = torch.randn(n, device=device), torch.randn(n, device=device)
+    read = 2 * n * 4 / max(best_time(lambda: x.add_(y), repeat=3, sync=sync) - overhead, 1e-9)
+    curve = []
+    # glibc serves allocations under its mmap threshold (up to 32 MiB) from a reused heap and
+    # maps larger ones afresh each time: the rate falls off a cliff there
+    for size in ([2**16, 2**22] if quick else [2**14, 2**20, 2**23, 2**24, 2**25 - 2**20, 2**25 + 2**20, 2**26]):
+        m = size // 4
+        a, b = x[:m] if m <= n else torch.randn(m, device=device), y[:m] if m <= n else torch.randn(m, device=device)
+        calls = max(1, min(64, 2**24 // size))
 
-    def ops():
-        for _ in range(calls):
-            torch.add(x, y)  # each result is freed at once: the next one is a fresh allocation
+        def fresh():
+            for _ in range(calls):
+                torch.add(a, b)  # freed at once: the next result is a new allocation
 
-    sec = best_time(ops, repeat=3, sync=sync) / calls - overhead
-    return 3 * n * 4 / max(sec, 1e-9)
+        sec = best_time(fresh, repeat=3, sync=sync) / calls - overhead - 2 * size / read
+        curve.append([float(size), size / max(sec, size / (4 * read))])
+    return read, curve
 
 
 def adam_rate(device: torch.device, elems: int, sync=None) -> float:
@@ -222,37 +253,54 @@ class _Block(nn.Module):
         return x + self.out(torch.nn.functional.gelu(self.fc(self.ln2(x))))
 
 
-def _block_work(block: nn.Module, shape: tuple[int, int, int], target: str):
-    """The block's forward and backward as the profiler sees it on meta (one EventWork)."""
+class _MiniLM(nn.Module):
+    """Embedding, one block, the LM head and the loss: the pieces of a causal LM's step."""
+
+    def __init__(self, vocab: int, hidden: int, heads: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.block = _Block(hidden, heads)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        logits = self.head(self.norm(self.block(self.embed(ids))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+
+
+def _lm_work(model: nn.Module, shape: tuple[int, int], target: str):
+    """The model's forward and backward as the profiler prices it on meta (one EventWork)."""
     from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode
     from hf_elixir.profile.trace import EventWork, build_meta_model
 
-    meta = build_meta_model(block)
-    x = torch.empty(shape, device="meta", requires_grad=True)
+    meta = build_meta_model(model)
+    ids = torch.empty(shape, dtype=torch.long, device="meta")
     work = EventWork()
     tracker = LiveStorageTracker()
     tracker.on_op = work.add
     with SDPAKernelMode(target), tracker:
-        meta(x).sum().backward()
+        meta(ids).backward()
     return work
 
 
 def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quick: bool = False) -> float:
-    """Measured over priced time of a transformer block's forward and backward."""
-    shapes = [(2, 128, 384, 6)] if quick else [(2, 128, 384, 6), (2, 128, 768, 12)]
+    """Measured over priced time of a small causal LM's forward and backward (the median of
+    a few shapes): what per-operator prices miss, such as autograd's own work."""
+    shapes = [(2, 128, 384, 6, 8192)] if quick else [(2, 128, 384, 6, 32000), (2, 128, 768, 12, 32000),
+                                                      (4, 256, 512, 8, 8192)]
     ratios = []
-    for b, s, h, heads in shapes:
+    for b, s, h, heads, vocab in shapes:
         torch.manual_seed(0)
-        block = _Block(h, heads).to(device)
-        x = torch.randn(b, s, h, device=device, requires_grad=True)
+        model = _MiniLM(vocab, h, heads).to(device)
+        ids = torch.randint(0, vocab, (b, s), device=device)
 
         def step():
-            block(x).sum().backward()
-            for p in block.parameters():
+            model(ids).backward()
+            for p in model.parameters():
                 p.grad = None
 
         measured = best_time(step, repeat=3, sync=sync)
-        priced = price(_block_work(block, (b, s, h), device.type), figs, "float32", efficiency=1.0)
+        priced = price(_lm_work(model, (b, s), device.type), figs, "float32", efficiency=1.0)
         ratios.append(measured / priced)
     return statistics.median(ratios)
 
@@ -260,7 +308,8 @@ def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quic
 def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = None) -> float:
     """Seconds one ``EventWork`` takes on a rank with ``figs``."""
     t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5)) for b, f in work.matmul.items())
-    t += work.bytes / figs.elementwise_bandwidth + work.ops * figs.op_overhead
+    t += work.read / figs.read_bandwidth + work.ops * figs.op_overhead
+    t += sum(nb / figs.write_rate(2.0 ** (b + 0.5)) for b, nb in work.fresh.items())
     return t * (figs.efficiency if efficiency is None else efficiency)
 
 

@@ -98,8 +98,8 @@ class HardwareProfile:
         """The per-operator figures of one rank (``hf_elixir.calibrate.ComputeFigures``).
 
         Measured ones when this profile was calibrated; otherwise derived from the datasheet
-        figures: matmuls at ``matmul_rate`` whatever their size, other operators at 80% of
-        the memory bandwidth, and a typical dispatch cost per call.
+        figures: matmuls at ``matmul_rate`` whatever their size, other operators' reads and
+        writes at 80% of the memory bandwidth, and a typical dispatch cost per call.
         """
         from hf_elixir.calibrate import ComputeFigures, sharing
 
@@ -109,7 +109,8 @@ class HardwareProfile:
             return ComputeFigures.from_dict(data)
         return ComputeFigures(
             matmul_curve={k: [[1.0, v * self.matmul_efficiency]] for k, v in self.matmul_flops.items() if v > 0},
-            elementwise_bandwidth=0.8 * self.device_memory_bandwidth,
+            read_bandwidth=0.8 * self.device_memory_bandwidth,
+            write_curve=[[1.0, 0.8 * self.device_memory_bandwidth]],
             op_overhead=10e-6 if self.device_type == "cuda" else 5e-6,
             adam_rate=self.device_adam_throughput, threads=1,
         )

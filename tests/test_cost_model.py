@@ -108,15 +108,17 @@ def test_aligned_peak_adds_what_coexists():
 def test_pricing_follows_the_measured_figures():
     """Matmuls are priced at the rate of their own size (log-log between measured points,
     clamped outside), other operators by bytes and calls, all scaled by the efficiency."""
-    figs = ComputeFigures(matmul_curve={"float32": [[1e6, 1e10], [1e8, 1e11]]}, elementwise_bandwidth=1e9,
-                          op_overhead=1e-5, efficiency=2.0)
+    figs = ComputeFigures(matmul_curve={"float32": [[1e6, 1e10], [1e8, 1e11]]}, read_bandwidth=1e9,
+                          write_curve=[[1e3, 1e8], [1e7, 1e9]], op_overhead=1e-5, efficiency=2.0)
     assert figs.matmul_rate("float32", 1e5) == 1e10
     assert figs.matmul_rate("float32", 1e9) == 1e11
     assert figs.matmul_rate("float32", 1e7) == pytest.approx(10 ** 10.5)
+    assert figs.write_rate(1e5) == pytest.approx(10 ** 8.5)
     w = EventWork()
-    w.add(2**20, 0)            # one matmul of 2**20 FLOPs
-    w.add(0, 10**6)            # one element-wise operator moving 1 MB
-    expected = 2**20 / figs.matmul_rate("float32", 2**20.5) + 1e6 / 1e9 + 2 * 1e-5
+    w.add(2**20, 0, [2**12])   # one matmul of 2**20 FLOPs writing a new 4 KiB output
+    w.add(0, 10**6, [])        # one in-place element-wise operator reading 1 MB
+    expected = (2**20 / figs.matmul_rate("float32", 2**20.5) + 2**12 / figs.write_rate(2**12.5)
+                + 1e6 / 1e9 + 2 * 1e-5)
     assert price(w, figs, "float32") == pytest.approx(2.0 * expected)
 
 

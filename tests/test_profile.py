@@ -77,9 +77,9 @@ def _allocator_step(model, shape, checkpointing=False, drop_grads=True):
     gc.disable()  # no collection of older garbage inside the window (it would count as frees)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            out = model(input_ids=ids, labels=ids)
-            out.loss.backward()
-            del out
+            loss = model(input_ids=ids, labels=ids).loss  # the logits go, as in a training loop
+            loss.backward()
+            del loss
     finally:
         gc.enable()
         if checkpointing:

@@ -232,8 +232,8 @@ class Links:
     gather_per_byte: float  # seconds per byte of a chunk all-gathered (communication stream)
     reduce_per_byte: float  # seconds per byte of a chunk's gradient reduced
     h2d_per_byte: float     # seconds per byte copied host -> device
-    copy_per_byte: float    # compute-stream seconds per byte the runtime copies itself
     overlap: float          # share of communication that can hide behind compute (0..1)
+    figs: Any = None        # the rank's ComputeFigures: the runtime's own copies are priced by them
 
     def gather(self, chunk_bytes: float) -> float:
         return self.latency + chunk_bytes * self.gather_per_byte if self.gather_per_byte else 0.0
@@ -259,8 +259,7 @@ class Links:
         else:
             overlap = 1.0
         return cls(latency=latency, gather_per_byte=gather, reduce_per_byte=reduce,
-                   h2d_per_byte=1.0 / hw.h2d_bandwidth, copy_per_byte=1.0 / figs.elementwise_bandwidth,
-                   overlap=overlap)
+                   h2d_per_byte=1.0 / hw.h2d_bandwidth, overlap=overlap, figs=figs)
 
 
 #: reductions the runtime keeps pending before it completes the oldest (runtime/reduce.py)
@@ -324,7 +323,11 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
 
     E = len(seq)
     compute = 0.0
-    per_byte = links.copy_per_byte
+    figs = links.figs
+    # a chunk's gradient buffer is a new allocation each step; the block a shard is copied
+    # into is kept in the rCache
+    grad_copy = [figs.copy_seconds(b, fresh=True) if figs else 0.0 for b in chunk_bytes]
+    shard_copy = [figs.copy_seconds(b / W, fresh=False) if figs and W > 1 else 0.0 for b in chunk_bytes]
     for e in range(E):
         if not issued[e]:
             issue(e, t)
@@ -333,8 +336,8 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
         for f in range(e + 1, min(E, e + 1 + prefetch)):
             if not issued[f]:
                 issue(f, start)
-        work = (seq[e].seconds + sum(2 * chunk_bytes[c] * per_byte for c in finishing[e])
-                + (sum(2 * chunk_bytes[c] / W * per_byte for c in misses[e]) if W > 1 else 0.0))
+        work = (seq[e].seconds + sum(grad_copy[c] for c in finishing[e])
+                + sum(shard_copy[c] for c in misses[e]))
         copies += work - seq[e].seconds
         t = start + work
         compute += work
@@ -375,7 +378,7 @@ def after_backward(shard_elems: float, offloaded_elems: float, compute_bytes: in
     gradient shard, the fused AdamW updates every shard (offloaded or not: the same cores),
     offloaded shards are copied out and back, and the gradient shards are zeroed."""
     grad_bytes = shard_elems * 4
-    t = 2 * grad_bytes / figs.elementwise_bandwidth  # the norm's read, the zeroing's write
+    t = 2 * grad_bytes / figs.read_bandwidth  # the norm's read, the zeroing's rewrite
     t += shard_elems / figs.adam_rate
     t += offloaded_elems * compute_bytes * (1 / hw.d2h_bandwidth + 1 / hw.h2d_bandwidth)
     if world_size > 1:

@@ -71,9 +71,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self.count_flops = count_flops
         self.marks: dict[str, tuple[int, int]] = {}
         self.on_flops: Callable[[int], None] | None = None
-        #: called for every operator with (FLOPs, bytes it reads and writes): the per-event
-        #: work the cost model prices (see ``hf_elixir.profile.trace.EventWork``)
-        self.on_op: Callable[[int, int], None] | None = None
+        #: called for every operator with (FLOPs, bytes it reads or rewrites, bytes of each newly
+        #: allocated output): the per-event work the cost model prices (``EventWork``)
+        self.on_op: Callable[[int, int, list[int]], None] | None = None
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (it existed before the step)."""
@@ -88,14 +88,15 @@ class LiveStorageTracker(TorchDispatchMode):
         self.marks[name] = (self.current, self.peak)
 
     # ------------------------------------------------------------------ internals
-    def _track(self, t: torch.Tensor) -> None:
+    def _track(self, t: torch.Tensor) -> int:
+        """Start following ``t``'s storage if it is new; returns its bytes if so, else 0."""
         try:
             st = t.untyped_storage()
         except Exception:  # tensors without storage (sparse, nested): ignore
-            return
+            return 0
         key = _storage_key(st)
         if key in self._live or key in self._excluded:
-            return
+            return 0
         nbytes = st.nbytes()
         live = self._live
 
@@ -107,6 +108,7 @@ class LiveStorageTracker(TorchDispatchMode):
         self.current += nbytes
         if self.current > self.peak:
             self.peak = self.current
+        return nbytes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -119,9 +121,7 @@ class LiveStorageTracker(TorchDispatchMode):
             out = func(*args, **kwargs)
         except RuntimeError:
             out = _meta_retry_in_bf16(func, args, kwargs)
-        for t in tree_flatten(out)[0]:
-            if isinstance(t, torch.Tensor):
-                self._track(t)
+        fresh = [nb for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and (nb := self._track(t))]
         n = 0
         if self.count_flops and _FLOP_REGISTRY:
             fn = _FLOP_REGISTRY.get(func._overloadpacket)
@@ -134,7 +134,8 @@ class LiveStorageTracker(TorchDispatchMode):
                 if self.on_flops is not None:
                     self.on_flops(n)
         if self.on_op is not None:
-            self.on_op(n, 0 if n or _moves_no_data(func) else _bytes_moved(args, kwargs, out))
+            read = 0 if n or _moves_no_data(func) else _bytes_read(args, kwargs, out)
+            self.on_op(n, read, fresh)
         return out
 
 
@@ -147,15 +148,17 @@ _NO_DATA_OPS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.
                 torch.ops.aten.detach, torch.ops.aten.lift_fresh}
 
 
-def _bytes_moved(args, kwargs, out) -> int:
-    """Bytes an element-wise or reduction operator reads plus the bytes it writes.
+def _bytes_read(args, kwargs, out) -> int:
+    """Bytes an operator that is not a matmul reads, or writes in place.
 
-    Each distinct tensor counts once (an in-place op's output is its input); what a view
-    sees is what it reads, not its base's whole storage.
+    Each distinct input tensor counts once, and an in-place op's output is its input; what
+    a view sees is what it reads, not its base's whole storage. Newly allocated outputs are
+    counted apart (``fresh``): on a CPU their first touch costs page faults, a far lower
+    rate than reading or rewriting memory already mapped.
     """
     seen: set[int] = set()
     total = 0
-    for t in tree_flatten((args, kwargs, out))[0]:
+    for t in tree_flatten((args, kwargs))[0]:
         if isinstance(t, torch.Tensor) and id(t) not in seen:
             seen.add(id(t))
             total += t.numel() * t.element_size()
@@ -329,13 +332,14 @@ def run_step(
             stack.enter_context(tracker)
             output = model(**batch)
             loss = loss_of(output)
+            del output  # a training loop keeps the loss through backward, not the logits
             forward_peak, saved, forward_flops = tracker.peak, tracker.current, tracker.flops
             if on_forward_done is not None:
                 on_forward_done()
             if on_backward_start is not None:
                 on_backward_start()
             loss.backward()
-            del output, loss
+            del loss
     finally:
         for h in handles:
             h.remove()

@@ -233,31 +233,43 @@ class EventWork:
 
     Matmul-like operators (those PyTorch has FLOP formulas for) are kept by size, because a
     small matmul runs far below a large one's rate: ``matmul[b]`` is the total FLOPs of the
-    operators whose own FLOPs lie in ``[2**b, 2**(b+1))``. Every other operator is priced by
-    the bytes it reads and writes (``bytes``) and a fixed cost per call (``ops``).
+    operators whose own FLOPs lie in ``[2**b, 2**(b+1))``. Other operators are priced by the
+    bytes they read or rewrite in place (``read``), every operator by the newly allocated
+    outputs it writes, kept by size like matmuls (``fresh[b]``: outputs of ``[2**b, 2**(b+1))``
+    bytes; a large fresh output pays page faults on a CPU), plus a fixed cost per call.
     """
 
     matmul: dict[int, float] = field(default_factory=dict)
-    bytes: float = 0.0
+    read: float = 0.0
+    fresh: dict[int, float] = field(default_factory=dict)
     ops: int = 0
 
-    def add(self, flops: int, nbytes: int) -> None:
+    def add(self, flops: int, read: int, fresh: Iterable[int] = ()) -> None:
         self.ops += 1
         if flops > 0:
             b = int(flops).bit_length() - 1
             self.matmul[b] = self.matmul.get(b, 0.0) + flops
-        else:
-            self.bytes += nbytes
+        self.read += read
+        for nbytes in fresh:
+            b = int(nbytes).bit_length() - 1
+            self.fresh[b] = self.fresh.get(b, 0.0) + nbytes
 
     def merge(self, other: "EventWork") -> None:
         for b, f in other.matmul.items():
             self.matmul[b] = self.matmul.get(b, 0.0) + f
-        self.bytes += other.bytes
+        for b, f in other.fresh.items():
+            self.fresh[b] = self.fresh.get(b, 0.0) + f
+        self.read += other.read
         self.ops += other.ops
 
     @property
     def flops(self) -> float:
         return sum(self.matmul.values())
+
+    @property
+    def bytes(self) -> float:
+        """Everything moved outside matmul arithmetic: read, rewritten and freshly written."""
+        return self.read + sum(self.fresh.values())
 
 
 @dataclass
@@ -350,9 +362,9 @@ class ExecutionTracer:
             top = self._stack[-1]
             self.trace.module_flops[top] = self.trace.module_flops.get(top, 0) + n
 
-    def add_op(self, flops: int, nbytes: int) -> None:
+    def add_op(self, flops: int, read: int, fresh: list[int]) -> None:
         """Charge one operator to the event that runs now."""
-        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, nbytes)
+        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh)
         if self.tracker is not None and self.trace.live:
             at, top = self.trace.live[-1]
             if self.tracker.current > top:
