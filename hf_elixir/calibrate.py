@@ -42,6 +42,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from hf_elixir.profile.memory import matmul_layout
+
 #: matmul shapes (tokens, in, out) of the ladder; ordered by FLOPs
 _MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536), (256, 768, 768),
               (256, 768, 3072), (512, 1024, 4096), (256, 768, 32000), (1024, 2048, 8192)]
@@ -66,6 +68,8 @@ class ComputeFigures:
     Attributes:
         matmul_curve: dtype -> ``[[flops_per_call, flop_per_s], ...]`` ascending; the rate of a
             matmul is interpolated log-log between the points (clamped at the ends).
+        matmul_layouts: dtype -> layout ("NN", "NT", "TN") -> a curve like ``matmul_curve``,
+            for matmuls whose layout the trace recorded.
         read_bandwidth: bytes/s an operator reads (or rewrites in place) from mapped memory.
         write_curve: ``[[bytes, bytes_per_s], ...]``: the rate of writing a newly allocated
             output of that size (on a CPU a large one pays a page fault per page).
@@ -77,6 +81,7 @@ class ComputeFigures:
     """
 
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    matmul_layouts: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     read_bandwidth: float = 10e9
     write_curve: list[list[float]] = field(default_factory=lambda: [[1.0, 10e9]])
     op_overhead: float = 10e-6
@@ -84,7 +89,10 @@ class ComputeFigures:
     adam_rate: float = 1e9
     threads: int = 1
 
-    def matmul_rate(self, dtype: str, flops: float) -> float:
+    def matmul_rate(self, dtype: str, flops: float, layout: str = "") -> float:
+        curve = self.matmul_layouts.get(dtype, {}).get(layout)
+        if curve:
+            return _interp(curve, flops)
         curve = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
         if not curve:
             raise KeyError(dtype)
@@ -131,7 +139,7 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     figs = ComputeFigures(threads=threads or torch.get_num_threads())
     for dtype in dtypes:
-        figs.matmul_curve[dtype] = _matmul_curve(device, _torch_dtype(dtype), sync, quick)
+        figs.matmul_curve[dtype], figs.matmul_layouts[dtype] = _matmul_curves(device, _torch_dtype(dtype), sync, quick)
     figs.op_overhead = _op_overhead(device, sync)
     figs.read_bandwidth, figs.write_curve = _memory_rates(device, sync, figs.op_overhead, quick)
     figs.adam_rate = adam_rate(device, (1 if quick else 8) * 2**20, sync)
@@ -143,32 +151,39 @@ def _torch_dtype(name: str) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
-def _matmul_curve(device, dtype, sync, quick) -> list[list[float]]:
-    points: dict[float, float] = {}
-    budget = 0.3 if quick else 1.0
+def _by_size(points: dict[float, list[float]]) -> list[list[float]]:
+    """Mean rate per size, ascending. Not forced monotone: a wide LM head's product runs
+    well below a square one of the same FLOPs, and the ladder includes both."""
+    return [[f, statistics.mean(points[f])] for f in sorted(points)]
+
+
+def _matmul_curves(device, dtype, sync, quick) -> tuple[list[list[float]], dict[str, list[list[float]]]]:
+    """Rates of the matmuls of a linear layer's forward and backward, in both weight layouts
+    Hugging Face models use (nn.Linear keeps W as (out, in), GPT-2's Conv1D as (in, out)),
+    by size and layout; and the rate of all of them together, by size."""
+    overall: dict[float, list[float]] = {}
+    by_layout: dict[str, dict[float, list[float]]] = {}
+    budget = 0.2 if quick else 0.5
     for t, k, n in (_MM_SHAPES_QUICK if quick else _MM_SHAPES):
         flops = 2.0 * t * k * n
         if device.type == "cpu" and flops > (2e9 if quick else 2e10):
             continue
-        x = torch.randn(t, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)  # nn.Linear's layout: (out, in)
-        g = torch.randn(t, n, device=device, dtype=dtype)
-        y, dx, dw = torch.empty(t, n, **_like(x)), torch.empty(t, k, **_like(x)), torch.empty(n, k, **_like(x))
-
-        def triplet():  # into existing outputs: writing fresh memory is priced apart
-            torch.mm(x, w.t(), out=y)
-            torch.mm(g, w, out=dx)
-            torch.mm(g.t(), x, out=dw)
-
-        sec = best_time(triplet, repeat=3, sync=sync, budget=budget)
-        points[flops] = max(points.get(flops, 0.0), 3 * flops / sec)
-    curve = sorted(points.items())
-    # a larger matmul is never slower per FLOP than a smaller one in the model's eyes
-    out, best = [], 0.0
-    for f, r in curve:
-        best = max(best, r)
-        out.append([f, best])
-    return out
+        x, g = torch.randn(t, k, device=device, dtype=dtype), torch.randn(t, n, device=device, dtype=dtype)
+        w_lin = torch.randn(n, k, device=device, dtype=dtype)   # nn.Linear: (out, in)
+        w_conv = torch.randn(k, n, device=device, dtype=dtype)  # Conv1D: (in, out)
+        y, dx = torch.empty(t, n, **_like(x)), torch.empty(t, k, **_like(x))
+        dw_lin, dw_conv = torch.empty(n, k, **_like(x)), torch.empty(k, n, **_like(x))
+        # into existing outputs: writing fresh memory is priced apart
+        products = [(x, w_lin.t(), y), (g, w_lin, dx), (g.t(), x, dw_lin),
+                    (x, w_conv, y), (g, w_conv.t(), dx), (x.t(), g, dw_conv)]
+        total = 0.0
+        for a, b, out in products:
+            sec = best_time(lambda: torch.mm(a, b, out=out), repeat=3, sync=sync, budget=budget)
+            total += sec
+            layout = matmul_layout(torch.ops.aten.mm.default, (a, b))
+            by_layout.setdefault(layout, {}).setdefault(flops, []).append(flops / sec)
+        overall.setdefault(flops, []).append(len(products) * flops / total)
+    return _by_size(overall), {lay: _by_size(pts) for lay, pts in by_layout.items()}
 
 
 def _like(t: torch.Tensor) -> dict:
@@ -307,7 +322,7 @@ def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quic
 
 def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = None) -> float:
     """Seconds one ``EventWork`` takes on a rank with ``figs``."""
-    t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5)) for b, f in work.matmul.items())
+    t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5), layout) for (layout, b), f in work.matmul.items())
     t += work.read / figs.read_bandwidth + work.ops * figs.op_overhead
     t += sum(nb / figs.write_rate(2.0 ** (b + 0.5)) for b, nb in work.fresh.items())
     return t * (figs.efficiency if efficiency is None else efficiency)
@@ -339,7 +354,9 @@ def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, ou
         if backend == "gloo":  # CPU ranks: compute figures with both ranks busy, one thread each
             figs = measure_compute(dev, quick=quick, threads=1)
         coll = Collectives.create(device=dev)
-        sizes = [2**18, 2**20] if quick else [2**18, 2**20, 2**22, 2**24]
+        # up to the largest chunks a plan uses (hundreds of MB): large buffers cost more than
+        # their bytes on gloo, which stages them through fresh allocations
+        sizes = [2**18, 2**20] if quick else [2**18, 2**20, 2**22, 2**24, 2**26]
         g_pts, r_pts = [], []
         for n in sizes:
             full = torch.zeros(n, device=dev)

@@ -115,7 +115,7 @@ def test_pricing_follows_the_measured_figures():
     assert figs.matmul_rate("float32", 1e7) == pytest.approx(10 ** 10.5)
     assert figs.write_rate(1e5) == pytest.approx(10 ** 8.5)
     w = EventWork()
-    w.add(2**20, 0, [2**12])   # one matmul of 2**20 FLOPs writing a new 4 KiB output
+    w.add(2**20, 0, [2**12], "NT")  # a matmul of 2**20 FLOPs writing a new 4 KiB output
     w.add(0, 10**6, [])        # one in-place element-wise operator reading 1 MB
     expected = (2**20 / figs.matmul_rate("float32", 2**20.5) + 2**12 / figs.write_rate(2**12.5)
                 + 1e6 / 1e9 + 2 * 1e-5)
@@ -138,3 +138,41 @@ def test_cpu_ranks_sharing_every_core_cannot_hide_communication():
     serial = cost.simulate(seq, misses, [1e9, 1e9], 2, cost.Links(**{**vars(gpu), "overlap": 0.0}), prefetch=1)
     assert serial.backward_end == pytest.approx(hidden.compute + hidden.comm_busy)
     assert hidden.backward_end < serial.backward_end
+
+
+def test_fresh_outputs_are_counted_apart_from_reads():
+    """An out-of-place add reads two inputs and writes one new tensor; the in-place add
+    rewrites mapped memory: no fresh bytes (on a CPU the difference is page faults)."""
+    from hf_elixir.profile.memory import LiveStorageTracker
+
+    x = torch.empty(1024, device="meta")
+    y = torch.empty(1024, device="meta")
+    work = EventWork()
+    tracker = LiveStorageTracker(exclude=[x, y])
+    tracker.on_op = work.add
+    with tracker:
+        z = x + y
+        z.add_(x)
+        z.view(32, 32)  # a view moves nothing
+    assert work.ops == 3
+    assert work.fresh == {12: 4096.0}  # the one new 4 KiB output (2**12 bytes)
+    assert work.read == 2 * 4096 + 2 * 4096  # x and y, then z and x
+
+
+def test_matmuls_are_kept_by_layout():
+    """nn.Linear multiplies by W transposed ("NT") and its backward by W ("NN"); each
+    layout is priced at its own measured rate."""
+    from hf_elixir.profile.memory import LiveStorageTracker
+
+    lin = torch.nn.Linear(64, 32, bias=False, device="meta")
+    x = torch.empty(8, 64, device="meta", requires_grad=True)
+    work = EventWork()
+    tracker = LiveStorageTracker()
+    tracker.on_op = work.add
+    with tracker:
+        lin(x).sum().backward()
+    assert {"NT", "NN"} <= {layout for layout, _ in work.matmul}
+    figs = ComputeFigures(matmul_curve={"float32": [[1.0, 1e9]]},
+                          matmul_layouts={"float32": {"NT": [[1.0, 1e10]]}})
+    assert figs.matmul_rate("float32", 1e6, "NT") == 1e10
+    assert figs.matmul_rate("float32", 1e6, "TN") == 1e9  # no curve of its own: the overall one

@@ -72,8 +72,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self.marks: dict[str, tuple[int, int]] = {}
         self.on_flops: Callable[[int], None] | None = None
         #: called for every operator with (FLOPs, bytes it reads or rewrites, bytes of each newly
-        #: allocated output): the per-event work the cost model prices (``EventWork``)
-        self.on_op: Callable[[int, int, list[int]], None] | None = None
+        #: allocated output, matmul layout): the per-event work the cost model prices
+        #: (``EventWork``)
+        self.on_op: Callable[[int, int, list[int], str], None] | None = None
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (it existed before the step)."""
@@ -135,8 +136,30 @@ class LiveStorageTracker(TorchDispatchMode):
                     self.on_flops(n)
         if self.on_op is not None:
             read = 0 if n or _moves_no_data(func) else _bytes_read(args, kwargs, out)
-            self.on_op(n, read, fresh)
+            self.on_op(n, read, fresh, matmul_layout(func, args) if n else "")
         return out
+
+
+_MATMUL_OPERANDS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.bmm: (0, 1),
+                    torch.ops.aten.addmm: (1, 2), torch.ops.aten.baddbmm: (1, 2)}
+
+
+def matmul_layout(func, args) -> str:
+    """"NN", "NT", "TN" or "TT": whether each operand of a matmul is a transposed view.
+
+    The same product runs at different rates by layout (nn.Linear's ``x @ W.T`` and GPT-2's
+    Conv1D ``x @ W`` differ, and so do their backward products), so the cost model keeps
+    matmuls by layout as well as by size. "" for other FLOP-counted operators.
+    """
+    where = _MATMUL_OPERANDS.get(func._overloadpacket)
+    if where is None or len(args) <= max(where):
+        return ""
+
+    def transposed(t) -> bool:
+        return (isinstance(t, torch.Tensor) and t.dim() >= 2 and t.stride(-2) == 1
+                and t.stride(-1) != 1 and t.size(-1) > 1)
+
+    return "".join("T" if transposed(args[i]) else "N" for i in where)
 
 
 def _moves_no_data(func) -> bool:

@@ -231,24 +231,25 @@ def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
 class EventWork:
     """The operators run between one fetch event and the next: what the cost model prices.
 
-    Matmul-like operators (those PyTorch has FLOP formulas for) are kept by size, because a
-    small matmul runs far below a large one's rate: ``matmul[b]`` is the total FLOPs of the
-    operators whose own FLOPs lie in ``[2**b, 2**(b+1))``. Other operators are priced by the
+    Matmul-like operators (those PyTorch has FLOP formulas for) are kept by layout and size,
+    because a small matmul runs far below a large one's rate and layouts differ:
+    ``matmul[(layout, b)]`` is the total FLOPs of the operators of that layout (see
+    ``profile.memory.matmul_layout``) whose own FLOPs lie in ``[2**b, 2**(b+1))``. Other operators are priced by the
     bytes they read or rewrite in place (``read``), every operator by the newly allocated
     outputs it writes, kept by size like matmuls (``fresh[b]``: outputs of ``[2**b, 2**(b+1))``
     bytes; a large fresh output pays page faults on a CPU), plus a fixed cost per call.
     """
 
-    matmul: dict[int, float] = field(default_factory=dict)
+    matmul: dict[tuple[str, int], float] = field(default_factory=dict)
     read: float = 0.0
     fresh: dict[int, float] = field(default_factory=dict)
     ops: int = 0
 
-    def add(self, flops: int, read: int, fresh: Iterable[int] = ()) -> None:
+    def add(self, flops: int, read: int, fresh: Iterable[int] = (), layout: str = "") -> None:
         self.ops += 1
         if flops > 0:
-            b = int(flops).bit_length() - 1
-            self.matmul[b] = self.matmul.get(b, 0.0) + flops
+            key = (layout, int(flops).bit_length() - 1)
+            self.matmul[key] = self.matmul.get(key, 0.0) + flops
         self.read += read
         for nbytes in fresh:
             b = int(nbytes).bit_length() - 1
@@ -362,9 +363,9 @@ class ExecutionTracer:
             top = self._stack[-1]
             self.trace.module_flops[top] = self.trace.module_flops.get(top, 0) + n
 
-    def add_op(self, flops: int, read: int, fresh: list[int]) -> None:
+    def add_op(self, flops: int, read: int, fresh: list[int], layout: str = "") -> None:
         """Charge one operator to the event that runs now."""
-        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh)
+        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh, layout)
         if self.tracker is not None and self.trace.live:
             at, top = self.trace.live[-1]
             if self.tracker.current > top:
