@@ -71,6 +71,8 @@ class ComputeFigures:
         matmul_layouts: dtype -> layout ("NN", "NT", "TN") -> a curve like ``matmul_curve``,
             for matmuls whose layout the trace recorded.
         read_bandwidth: bytes/s an operator reads (or rewrites in place) from mapped memory.
+        strided_bandwidth: bytes/s read by an element-wise operator that combines a row-major
+            and a transposed tensor of the same shape.
         write_curve: ``[[bytes, bytes_per_s], ...]``: the rate of writing a newly allocated
             output of that size (on a CPU a large one pays a page fault per page).
         op_overhead: seconds per operator call (dispatch, autograd), whatever its size.
@@ -83,6 +85,7 @@ class ComputeFigures:
     matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
     matmul_layouts: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     read_bandwidth: float = 10e9
+    strided_bandwidth: float = 2e9
     write_curve: list[list[float]] = field(default_factory=lambda: [[1.0, 10e9]])
     op_overhead: float = 10e-6
     efficiency: float = 1.0
@@ -142,6 +145,7 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
         figs.matmul_curve[dtype], figs.matmul_layouts[dtype] = _matmul_curves(device, _torch_dtype(dtype), sync, quick)
     figs.op_overhead = _op_overhead(device, sync)
     figs.read_bandwidth, figs.write_curve = _memory_rates(device, sync, figs.op_overhead, quick)
+    figs.strided_bandwidth = _strided_rate(device, sync, figs, quick)
     figs.adam_rate = adam_rate(device, (1 if quick else 8) * 2**20, sync)
     figs.efficiency = block_efficiency(figs, device, sync, quick)
     return figs
@@ -226,6 +230,15 @@ def _memory_rates(device, sync, overhead: float, quick: bool) -> tuple[float, li
         sec = best_time(fresh, repeat=3, sync=sync) / calls - overhead - 2 * size / read
         curve.append([float(size), size / max(sec, size / (4 * read))])
     return read, curve
+
+
+def _strided_rate(device, sync, figs: "ComputeFigures", quick: bool) -> float:
+    """Bytes/s read by ``a + b.T`` (same shape, opposite layouts), less its fresh output."""
+    n = 1024 if quick else 4096
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    out = torch.empty(n, n, device=device)
+    sec = best_time(lambda: torch.add(a, b.t(), out=out), repeat=3, sync=sync) - figs.op_overhead
+    return 2 * n * n * 4 / max(sec, 1e-9)
 
 
 def adam_rate(device: torch.device, elems: int, sync=None) -> float:
@@ -323,7 +336,7 @@ def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quic
 def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = None) -> float:
     """Seconds one ``EventWork`` takes on a rank with ``figs``."""
     t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5), layout) for (layout, b), f in work.matmul.items())
-    t += work.read / figs.read_bandwidth + work.ops * figs.op_overhead
+    t += work.read / figs.read_bandwidth + work.strided / figs.strided_bandwidth + work.ops * figs.op_overhead
     t += sum(nb / figs.write_rate(2.0 ** (b + 0.5)) for b, nb in work.fresh.items())
     return t * (figs.efficiency if efficiency is None else efficiency)
 

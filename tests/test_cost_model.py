@@ -176,3 +176,24 @@ def test_matmuls_are_kept_by_layout():
                           matmul_layouts={"float32": {"NT": [[1.0, 1e10]]}})
     assert figs.matmul_rate("float32", 1e6, "NT") == 1e10
     assert figs.matmul_rate("float32", 1e6, "TN") == 1e9  # no curve of its own: the overall one
+
+
+def test_an_add_across_layouts_is_priced_as_strided():
+    """A tied embedding's two gradients (one transposed) meet in an add that reads against
+    one operand's layout; it is kept apart from contiguous reads and priced at its own rate."""
+    from hf_elixir.profile.memory import LiveStorageTracker
+
+    a = torch.empty(64, 32, device="meta")
+    b = torch.empty(32, 64, device="meta").t()
+    work = EventWork()
+    tracker = LiveStorageTracker(exclude=[a, b])
+    tracker.on_op = work.add
+    with tracker:
+        a + b
+        a + a
+    assert work.strided == 2 * 64 * 32 * 4  # a and b, against b's layout
+    assert work.read == 64 * 32 * 4          # a, read once
+    figs = ComputeFigures(matmul_curve={"float32": [[1.0, 1e9]]}, read_bandwidth=1e10, strided_bandwidth=1e9,
+                          write_curve=[[1.0, 1e12]], op_overhead=0.0)
+    assert price(work, figs, "float32") == pytest.approx(work.strided / 1e9 + work.read / 1e10 + 2 * 8192 / 1e12)
+    assert work.fresh == {13: 2 * 8192.0}

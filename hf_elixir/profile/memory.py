@@ -72,9 +72,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self.marks: dict[str, tuple[int, int]] = {}
         self.on_flops: Callable[[int], None] | None = None
         #: called for every operator with (FLOPs, bytes it reads or rewrites, bytes of each newly
-        #: allocated output, matmul layout): the per-event work the cost model prices
-        #: (``EventWork``)
-        self.on_op: Callable[[int, int, list[int], str], None] | None = None
+        #: allocated output, matmul layout or "strided", bytes read against their layout): the
+        #: per-event work the cost model prices (``EventWork``)
+        self.on_op: Callable[..., None] | None = None
 
     def exclude(self, tensor: torch.Tensor) -> None:
         """Never count this tensor's storage (it existed before the step)."""
@@ -136,8 +136,27 @@ class LiveStorageTracker(TorchDispatchMode):
                     self.on_flops(n)
         if self.on_op is not None:
             read = 0 if n or _moves_no_data(func) else _bytes_read(args, kwargs, out)
-            self.on_op(n, read, fresh, matmul_layout(func, args) if n else "")
+            if read and _mixed_layouts(args):
+                self.on_op(n, 0, fresh, "strided", read)
+            else:
+                self.on_op(n, read, fresh, matmul_layout(func, args) if n else "")
         return out
+
+
+def _mixed_layouts(args) -> bool:
+    """Whether an element-wise operator combines same-shaped tensors laid out differently
+    (one row-major, one transposed): it then walks one of them against its layout, several
+    times slower than a contiguous pass. A tied embedding's two gradients meet this way: the
+    LM head's comes out transposed."""
+    orders = set()
+    shape = None
+    for t in args:
+        if isinstance(t, torch.Tensor) and t.dim() >= 2 and t.numel() > 1:
+            if shape is not None and t.shape != shape:
+                return False
+            shape = t.shape
+            orders.add(t.stride(-1) == 1)
+    return len(orders) > 1
 
 
 _MATMUL_OPERANDS = {torch.ops.aten.mm: (0, 1), torch.ops.aten.bmm: (0, 1),

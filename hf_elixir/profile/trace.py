@@ -242,11 +242,13 @@ class EventWork:
 
     matmul: dict[tuple[str, int], float] = field(default_factory=dict)
     read: float = 0.0
+    strided: float = 0.0  # bytes element-wise operators read against their layout
     fresh: dict[int, float] = field(default_factory=dict)
     ops: int = 0
 
-    def add(self, flops: int, read: int, fresh: Iterable[int] = (), layout: str = "") -> None:
+    def add(self, flops: int, read: int, fresh: Iterable[int] = (), layout: str = "", strided: int = 0) -> None:
         self.ops += 1
+        self.strided += strided
         if flops > 0:
             key = (layout, int(flops).bit_length() - 1)
             self.matmul[key] = self.matmul.get(key, 0.0) + flops
@@ -261,6 +263,7 @@ class EventWork:
         for b, f in other.fresh.items():
             self.fresh[b] = self.fresh.get(b, 0.0) + f
         self.read += other.read
+        self.strided += other.strided
         self.ops += other.ops
 
     @property
@@ -270,7 +273,7 @@ class EventWork:
     @property
     def bytes(self) -> float:
         """Everything moved outside matmul arithmetic: read, rewritten and freshly written."""
-        return self.read + sum(self.fresh.values())
+        return self.read + self.strided + sum(self.fresh.values())
 
 
 @dataclass
@@ -363,9 +366,9 @@ class ExecutionTracer:
             top = self._stack[-1]
             self.trace.module_flops[top] = self.trace.module_flops.get(top, 0) + n
 
-    def add_op(self, flops: int, read: int, fresh: list[int], layout: str = "") -> None:
+    def add_op(self, flops: int, read: int, fresh: list[int], layout: str = "", strided: int = 0) -> None:
         """Charge one operator to the event that runs now."""
-        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh, layout)
+        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh, layout, strided)
         if self.tracker is not None and self.trace.live:
             at, top = self.trace.live[-1]
             if self.tracker.current > top:
