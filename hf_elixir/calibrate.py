@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 import socket
 import statistics
 import time
@@ -73,9 +74,13 @@ class ComputeFigures:
         read_bandwidth: bytes/s an operator reads (or rewrites in place) from mapped memory.
         strided_bandwidth: bytes/s read by an element-wise operator that combines a row-major
             and a transposed tensor of the same shape.
+        special_rate: output elements/s of arithmetic-bound element-wise operators (tanh,
+            exp, softmax, ...; ``profile.memory.TRANSCENDENTAL``).
         write_curve: ``[[bytes, bytes_per_s], ...]``: the rate of writing a newly allocated
             output of that size (on a CPU a large one pays a page fault per page).
         op_overhead: seconds per operator call (dispatch, autograd), whatever its size.
+        event_overhead: seconds the runtime's own hooks add per fetch event (a module's
+            forward or backward: pinning, cache bookkeeping, gradient marks).
         efficiency: measured / priced time of a small causal LM's forward and backward
             (embedding, a transformer block, the LM head and the loss).
         adam_rate: fused AdamW, elements/s for one rank.
@@ -86,8 +91,10 @@ class ComputeFigures:
     matmul_layouts: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
     read_bandwidth: float = 10e9
     strided_bandwidth: float = 2e9
+    special_rate: float = 1e9
     write_curve: list[list[float]] = field(default_factory=lambda: [[1.0, 10e9]])
     op_overhead: float = 10e-6
+    event_overhead: float = 0.0
     efficiency: float = 1.0
     adam_rate: float = 1e9
     threads: int = 1
@@ -146,7 +153,9 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
     figs.op_overhead = _op_overhead(device, sync)
     figs.read_bandwidth, figs.write_curve = _memory_rates(device, sync, figs.op_overhead, quick)
     figs.strided_bandwidth = _strided_rate(device, sync, figs, quick)
+    figs.special_rate = _special_rate(device, sync, figs.op_overhead)
     figs.adam_rate = adam_rate(device, (1 if quick else 8) * 2**20, sync)
+    figs.event_overhead = runtime_event_overhead(device, sync)
     figs.efficiency = block_efficiency(figs, device, sync, quick)
     return figs
 
@@ -232,6 +241,17 @@ def _memory_rates(device, sync, overhead: float, quick: bool) -> tuple[float, li
     return read, curve
 
 
+def _special_rate(device, sync, overhead: float) -> float:
+    """Elements/s of tanh, exp and a softmax into existing outputs (their mean)."""
+    x = torch.randn(2**20, device=device)
+    out = torch.empty_like(x)
+    rates = []
+    for fn in (lambda: torch.tanh(x, out=out), lambda: torch.exp(x, out=out),
+               lambda: torch.softmax(x.view(256, -1), -1, out=out.view(256, -1))):
+        rates.append(x.numel() / max(best_time(fn, repeat=3, sync=sync) - overhead, 1e-9))
+    return statistics.mean(rates)
+
+
 def _strided_rate(device, sync, figs: "ComputeFigures", quick: bool) -> float:
     """Bytes/s read by ``a + b.T`` (same shape, opposite layouts), less its fresh output."""
     n = 1024 if quick else 4096
@@ -239,6 +259,36 @@ def _strided_rate(device, sync, figs: "ComputeFigures", quick: bool) -> float:
     out = torch.empty(n, n, device=device)
     sec = best_time(lambda: torch.add(a, b.t(), out=out), repeat=3, sync=sync) - figs.op_overhead
     return 2 * n * n * 4 / max(sec, 1e-9)
+
+
+def runtime_event_overhead(device: torch.device, sync=None, layers: int = 48) -> float:
+    """Seconds ``ElixirModule``'s hooks add per fetch event: a stack of tiny layers trained
+    through the runtime (one rank, every chunk in place) against the same stack plainly."""
+    from hf_elixir.plan.plan import ElixirPlan
+    from hf_elixir.runtime.module import ElixirModule
+
+    def stack() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]).to(device)
+
+    x = torch.randn(4, 8, device=device)
+
+    def timed(model: nn.Module) -> float:
+        def step():
+            model(x).sum().backward()
+            for p in model.parameters():
+                p.grad = None
+        return best_time(step, repeat=5, sync=sync)
+
+    plain = timed(stack())
+    model = stack()
+    plan = ElixirPlan.simple(model, 1, chunk_size=8 * 8 + 8, example_batch={"input": x})
+    wrapped = ElixirModule(model, plan, device=device)
+    try:
+        through = timed(wrapped)
+    finally:
+        wrapped.drain()
+    return max(0.0, (through - plain) / (2 * layers))
 
 
 def adam_rate(device: torch.device, elems: int, sync=None) -> float:
@@ -337,6 +387,7 @@ def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = Non
     """Seconds one ``EventWork`` takes on a rank with ``figs``."""
     t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5), layout) for (layout, b), f in work.matmul.items())
     t += work.read / figs.read_bandwidth + work.strided / figs.strided_bandwidth + work.ops * figs.op_overhead
+    t += work.special / figs.special_rate
     t += sum(nb / figs.write_rate(2.0 ** (b + 0.5)) for b, nb in work.fresh.items())
     return t * (figs.efficiency if efficiency is None else efficiency)
 
@@ -359,13 +410,14 @@ def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, ou
     torch.set_num_threads(1)
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    sync = torch.cuda.synchronize if backend == "nccl" else None
+    figs = None
+    if backend == "gloo":  # CPU ranks: compute figures with both ranks busy, one thread each
+        # (before the group exists: the runtime's hooks are measured on a one-rank module)
+        figs = measure_compute(dev, quick=quick, threads=1)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        dev = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
-        sync = torch.cuda.synchronize if backend == "nccl" else None
-        figs = None
-        if backend == "gloo":  # CPU ranks: compute figures with both ranks busy, one thread each
-            figs = measure_compute(dev, quick=quick, threads=1)
         coll = Collectives.create(device=dev)
         # up to the largest chunks a plan uses (hundreds of MB): large buffers cost more than
         # their bytes on gloo, which stages them through fresh allocations
@@ -432,7 +484,12 @@ def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | No
     for p in procs:
         if p.is_alive():
             p.kill()
-    return None if q.empty() else q.get()
+    if q.empty():
+        codes = [p.exitcode for p in procs]
+        warnings.warn(f"hf_elixir calibrate: the two-process measurement failed (exit codes {codes}); "
+                      "collectives and per-rank compute keep their previous figures", stacklevel=2)
+        return None
+    return q.get()
 
 
 def sharing(ranks_per_node: int) -> str:

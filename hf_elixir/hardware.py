@@ -111,6 +111,7 @@ class HardwareProfile:
             matmul_curve={k: [[1.0, v * self.matmul_efficiency]] for k, v in self.matmul_flops.items() if v > 0},
             read_bandwidth=0.8 * self.device_memory_bandwidth,
             strided_bandwidth=0.3 * self.device_memory_bandwidth,
+            special_rate=0.2 * self.device_memory_bandwidth / 4,
             write_curve=[[1.0, 0.8 * self.device_memory_bandwidth]],
             op_overhead=10e-6 if self.device_type == "cuda" else 5e-6,
             adam_rate=self.device_adam_throughput, threads=1,

@@ -114,7 +114,8 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     cb = cost.DTYPE_BYTES[compute_dtype]
     ranks_per_node = min(world_size, hw.gpus_per_node)
     figs = hw.compute_figures(ranks_per_node)
-    price = lambda w: calibrate.price(w, figs, compute_dtype)  # noqa: E731
+    # each fetch event: its operators, plus what the runtime's hooks cost around them
+    price = lambda w: calibrate.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
     frozen = profile.frozen_bytes + profile.buffer_bytes
     context = hw.context_bytes if hw.device_type == "cuda" else 0
     modes = [False] + ([True] if profile.checkpointed is not None else [])

@@ -124,7 +124,12 @@ class LiveStorageTracker(TorchDispatchMode):
             out = _meta_retry_in_bf16(func, args, kwargs)
         fresh = [nb for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and (nb := self._track(t))]
         n = 0
-        if self.count_flops and _FLOP_REGISTRY:
+        if self.count_flops and func._overloadpacket in _CPU_ATTENTION:
+            n = _cpu_attention_flops(func, args, kwargs)
+            self.flops += n
+            if self.on_flops is not None:
+                self.on_flops(n)
+        elif self.count_flops and _FLOP_REGISTRY:
             fn = _FLOP_REGISTRY.get(func._overloadpacket)
             if fn is not None:
                 try:
@@ -135,12 +140,41 @@ class LiveStorageTracker(TorchDispatchMode):
                 if self.on_flops is not None:
                     self.on_flops(n)
         if self.on_op is not None:
+            if func._overloadpacket in TRANSCENDENTAL:  # priced per element, not per byte
+                elems = sum(t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+                self.on_op(n, 0, fresh, "", 0, elems)
+                return out
             read = 0 if n or _moves_no_data(func) else _bytes_read(args, kwargs, out)
             if read and _mixed_layouts(args):
                 self.on_op(n, 0, fresh, "strided", read)
             else:
                 self.on_op(n, read, fresh, matmul_layout(func, args) if n else "")
         return out
+
+
+_aten = torch.ops.aten
+#: element-wise operators bound by arithmetic (exp, tanh, ...), not by memory: one core runs
+#: tanh over 256k elements in 1 ms, 20x what its bytes would take
+TRANSCENDENTAL = {_aten.tanh, _aten.tanh_backward, _aten.exp, _aten.log, _aten.sigmoid,
+                  _aten.sigmoid_backward, _aten.silu, _aten.silu_backward, _aten.gelu,
+                  _aten.gelu_backward, _aten.erf, _aten.pow, _aten._softmax,
+                  _aten._softmax_backward_data, _aten._log_softmax, _aten._log_softmax_backward_data,
+                  _aten.rsqrt, _aten.sin, _aten.cos}
+#: the CPU's fused attention kernels, which PyTorch's FLOP registry does not know
+_CPU_ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu,
+                  _aten._scaled_dot_product_flash_attention_for_cpu_backward}
+
+
+def _cpu_attention_flops(func, args, kwargs) -> int:
+    """FLOPs of the CPU flash-attention kernel: 4·b·h·s_q·s_k·d forward (two matmuls),
+    2.5 times that backward; a causal mask skips about half the blocks."""
+    backward = func._overloadpacket is _aten._scaled_dot_product_flash_attention_for_cpu_backward
+    q, k = (args[1], args[2]) if backward else (args[0], args[1])
+    b, h, sq, d = q.shape
+    causal = kwargs.get("is_causal", args[7] if backward and len(args) > 7 else
+                        args[4] if not backward and len(args) > 4 else False)
+    flops = 4 * b * h * sq * k.shape[-2] * d * (2.5 if backward else 1.0)
+    return int(flops * (0.5 if causal else 1.0))
 
 
 def _mixed_layouts(args) -> bool:

@@ -243,12 +243,15 @@ class EventWork:
     matmul: dict[tuple[str, int], float] = field(default_factory=dict)
     read: float = 0.0
     strided: float = 0.0  # bytes element-wise operators read against their layout
+    special: float = 0.0  # output elements of arithmetic-bound operators (``TRANSCENDENTAL``)
     fresh: dict[int, float] = field(default_factory=dict)
     ops: int = 0
 
-    def add(self, flops: int, read: int, fresh: Iterable[int] = (), layout: str = "", strided: int = 0) -> None:
+    def add(self, flops: int, read: int, fresh: Iterable[int] = (), layout: str = "", strided: int = 0,
+            special: int = 0) -> None:
         self.ops += 1
         self.strided += strided
+        self.special += special
         if flops > 0:
             key = (layout, int(flops).bit_length() - 1)
             self.matmul[key] = self.matmul.get(key, 0.0) + flops
@@ -264,6 +267,7 @@ class EventWork:
             self.fresh[b] = self.fresh.get(b, 0.0) + f
         self.read += other.read
         self.strided += other.strided
+        self.special += other.special
         self.ops += other.ops
 
     @property
@@ -366,9 +370,10 @@ class ExecutionTracer:
             top = self._stack[-1]
             self.trace.module_flops[top] = self.trace.module_flops.get(top, 0) + n
 
-    def add_op(self, flops: int, read: int, fresh: list[int], layout: str = "", strided: int = 0) -> None:
+    def add_op(self, flops: int, read: int, fresh: list[int], layout: str = "", strided: int = 0,
+               special: int = 0) -> None:
         """Charge one operator to the event that runs now."""
-        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh, layout, strided)
+        (self.trace.work[-1] if self.trace.work else self._pending).add(flops, read, fresh, layout, strided, special)
         if self.tracker is not None and self.trace.live:
             at, top = self.trace.live[-1]
             if self.tracker.current > top:
