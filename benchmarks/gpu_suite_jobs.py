@@ -316,7 +316,8 @@ def run_train(job: dict) -> dict:
         peak = hw.matmul_flops["bfloat16" if job["dtype"] == "bf16" else "float32"]
         flops = model_flops(model.config, tokens, job["seq"])
         out["mfu"] = {"model_flops_per_step": flops, "peak_flops": peak, "hardware": hw.name,
-                      "peak_source": hw.sources.get("matmul_flops", "preset"), "mfu": flops / median / peak}
+                      "peak_source": hw.sources.get("matmul_flops", "preset"),
+                      "mfu": flops / median / peak if peak > 0 else None}
     if "info" in meta:
         out.update(meta["info"]())
     return out

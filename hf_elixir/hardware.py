@@ -431,8 +431,14 @@ def calibrate_local(quick: bool = False) -> HardwareProfile:
     whole = cal.measure_compute(dev, dtypes=dtypes, quick=quick)
     prof.compute = {"whole": asdict(whole)}
     prof.matmul_flops = {d: max(r for _, r in whole.matmul_curve[d]) for d in dtypes}
-    if not cuda:
-        prof.matmul_flops.update(bfloat16=0.0, float16=0.0)
+    if not cuda:  # the CPU's half-precision rates, from one square matmul each (not priced per size)
+        n = 256 if quick else 512
+        for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
+            try:
+                a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+                prof.matmul_flops[name] = 2 * n**3 / cal.best_time(lambda: a @ b, repeat=2)
+            except RuntimeError:
+                prof.matmul_flops[name] = 0.0
     prof.matmul_efficiency = 1.0
     prof.device_adam_throughput = whole.adam_rate
     prof.cpu_adam_throughput = cal.adam_rate(torch.device("cpu"), (1 if quick else 8) * 2**20)

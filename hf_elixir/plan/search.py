@@ -61,6 +61,7 @@ class Candidate:
     memory: dict[str, int]
     time: dict[str, float]
     gathers: int
+    ledger_peak: int = 0  # what the runtime's ledger holds at its own peak
 
     @property
     def optim_offload(self) -> float:
@@ -184,11 +185,10 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
     act, buf = cost.aligned_peak(x.live, buffers)
     mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, k, p, act, x.frozen, x.context, buf,
                       cost.allocator_margin(hw))
-    memory = mem.as_dict()
     # what the runtime's ledger holds at its own peak (no activations, no frozen parameters):
     # its gradient buffers peak later in backward than the step's total does
-    memory["ledger_peak"] = int(mem.parameters + mem.master_weights + mem.optimizer_state + mem.rcache
-                                + mem.gradients - buf + max(buffers, default=0.0))
+    ledger_peak = int(mem.parameters + mem.master_weights + mem.optimizer_state + mem.rcache
+                      + mem.gradients - buf + max(buffers, default=0.0))
     shards = [e / W for e in x.elems]
     off, off_params = sum(shards[n - k:]), sum(shards[n - p:])
     if hw.device_type == "cpu":  # optimizer, clipping and offload copies share the rank's cores
@@ -208,7 +208,8 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
         chunk_size=x.S, n_chunks=n, checkpointing=x.ckpt, rcache_blocks=R, prefetch_depth=d,
         n_optim_cpu=k, n_param_cpu=p, peak=mem.total(), step_time=step,
         comm_bytes=sim.gather_bytes + sum(x.elems) * cb * (W - 1) / W, pcie_bytes=pcie,
-        memory=memory,
+        memory=mem.as_dict(),
+        ledger_peak=ledger_peak,
         time={
             "forward_backward": sim.backward_end,
             "compute": sim.compute,
@@ -339,6 +340,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         "peak_bytes": int(c.peak),
         "budget_bytes": int(budget),
         "memory": dict(c.memory),
+        "ledger_peak_bytes": c.ledger_peak,
         "step_time_s": c.step_time,
         "time": dict(c.time),
         "tokens_per_s": tokens / c.step_time if c.step_time > 0 else None,
