@@ -76,25 +76,22 @@ def build(name: str):
 
 
 # ---------------------------------------------------------------------- planning (parent)
-def budgets(profile, hw) -> dict[str, int]:
+def budgets(cands) -> dict[str, int]:
     """Roomy, medium and tight budgets read off the planner's own selection chain."""
     from hf_elixir.plan import search
 
-    cands, _ = search.enumerate_candidates(profile, hw, WORLD, profile.dtype, "adamw")
     path = search.chain(cands)
     peaks = [c.peak for c in path]
     return {"roomy": int(peaks[-1] * 1.05), "medium": int(peaks[len(peaks) // 2] * 1.01),
             "tight": int(peaks[0] * 1.01)}
 
 
-def spread(profile, hw, budget: int, taken: set, count: int) -> list:
+def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) -> list:
     """Fitting candidates spread over the predicted step times (slowest included), so the
     rank correlation is tested on plans the model tells apart, not only near-ties."""
     from hf_elixir.plan import search
 
     W = WORLD
-    hw = search._resolve_hardware(hw, W)
-    cands, packings = search.enumerate_candidates(profile, hw, W, profile.dtype, "adamw")
     fit = sorted((c for c in cands if c.peak <= budget), key=lambda c: c.step_time)
     out = []
     for q in [(i + 1) / count for i in range(count)]:
@@ -116,13 +113,15 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
 
     profile = hfe.profile_model(config_for(name), BATCH, dtype="float32", attention_target="cpu",
                                 model_name=name)
+    hw_w = search._resolve_hardware(hw, WORLD)
+    cands, packings = search.enumerate_candidates(profile, hw_w, WORLD, profile.dtype, "adamw")
     out = []
-    for label, budget in budgets(profile, hw).items():
+    for label, budget in budgets(cands).items():
         chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
                           memory_budget=budget, profile=profile, alternatives=alternatives)
         alts = search.candidate_plans(chosen, profile, hw)
         taken = {_sig(p) for p in [chosen] + alts}
-        extra = spread(profile, hw, budget, taken, spread_count)
+        extra = spread(profile, hw_w, cands, packings, budget, taken, spread_count)
         roles = ["chosen"] + [f"alt {i + 1}" for i in range(len(alts))] + [f"spread {i + 1}" for i in range(len(extra))]
         for role, p in zip(roles, [chosen] + alts + extra):
             out.append({"model": name, "budget": label, "budget_bytes": budget, "role": role,

@@ -211,17 +211,24 @@ class SimResult:
 
     def buffers_of(self, chunks: Iterable[int], chunk_bytes: Sequence[float]) -> list[float]:
         """Per access, the bytes of gradient buffers alive among ``chunks`` only."""
-        delta = [0.0] * (len(self.grad_buffers) + 1)
-        for c in chunks:
-            first, end = self.buffer_spans[c]
-            if first >= 0:
-                delta[first] += chunk_bytes[c]
-                delta[end] -= chunk_bytes[c]
-        out, run = [], 0.0
-        for d in delta[:-1]:
-            run += d
-            out.append(run)
-        return out
+        return buffer_bytes(self.buffer_spans, chunks, chunk_bytes, len(self.grad_buffers))
+
+
+def buffer_bytes(spans: Sequence[tuple[int, int]], chunks: Iterable[int], chunk_bytes: Sequence[float],
+                 n_events: int) -> list[float]:
+    """Per access, the bytes of the gradient buffers of ``chunks`` alive then; ``spans``
+    gives each chunk's buffer lifetime as accesses ``[first, end)`` (first < 0: none)."""
+    delta = [0.0] * (n_events + 1)
+    for c in chunks:
+        first, end = spans[c]
+        if first >= 0:
+            delta[first] += chunk_bytes[c]
+            delta[end] -= chunk_bytes[c]
+    out, run = [], 0.0
+    for d in delta[:-1]:
+        run += d
+        out.append(run)
+    return out
 
 
 @dataclass
@@ -362,8 +369,7 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     for j, (e_issue, c) in enumerate(issued_at):
         if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
             spans[c] = (first_bwd[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1)
-    sim_buffers = SimResult(0, 0, 0, 0, 0, [], 0, buffer_spans=spans, grad_buffers=[0.0] * E)
-    buffers = sim_buffers.buffers_of(range(n_chunks), chunk_bytes)
+    buffers = buffer_bytes(spans, range(n_chunks), chunk_bytes, E)
     gathered = sum(chunk_bytes[c] for m in misses for c in m)
     return SimResult(backward_end=end, compute=compute, comm_busy=busy, gathers=gathers,
                      gather_bytes=gathered * (W - 1) / max(W, 1),
