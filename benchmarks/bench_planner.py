@@ -135,20 +135,30 @@ def _sig(p) -> tuple:
 
 
 # ---------------------------------------------------------------------- running (ranks)
-def allocator_peak(fn) -> int:
-    """Peak of the running sum of the CPU allocator's allocations and frees during fn()."""
-    from torch.profiler import ProfilerActivity, profile
+def allocator_peak(warm, fn) -> int:
+    """Peak of the CPU allocator's running sum during fn(), relative to its start.
+
+    The profiler does not report frees of memory allocated before it started, and the
+    runtime frees and re-allocates gathered blocks every step (released chunks are resized
+    to zero bytes). Profiling ``warm()`` (a full step) first makes every block fn() frees one
+    whose allocation the profiler saw, so fn()'s running sum is exact."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     gc.collect()
     gc.disable()  # no collection of older garbage inside the window (it would count as frees)
     try:
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-            fn()
+            warm()
+            with record_function("measured step"):
+                fn()
     finally:
         gc.enable()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-    events.sort(key=lambda e: e.start_ns())
-    return max(itertools.accumulate((e.nbytes() for e in events), initial=0))
+    events = list(prof.profiler.kineto_results.events())
+    mark = next(e for e in events if e.name() == "measured step")
+    memory = sorted((e for e in events if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    before = sum(e.nbytes() for e in memory if e.start_ns() < mark.start_ns())
+    inside = (e.nbytes() for e in memory if mark.start_ns() <= e.start_ns() <= mark.end_ns())
+    return max(itertools.accumulate(inside, initial=before)) - before
 
 
 def run_plan(entry: dict, steps: int, warmup: int) -> dict:
@@ -185,7 +195,7 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
     held = em.memory_report()["current_total"]
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     dist.barrier()
-    during = allocator_peak(lambda: step(warmup + steps))
+    during = allocator_peak(lambda: step(warmup + steps), lambda: step(warmup + steps + 1))
     dist.barrier()
     out = {"step_times_s": times, "measured_step_s": statistics.median(times),
            "measured_peak_bytes": held + buffers + during, "held_bytes": held,

@@ -197,3 +197,56 @@ def test_an_add_across_layouts_is_priced_as_strided():
                           write_curve=[[1.0, 1e12]], op_overhead=0.0)
     assert price(work, figs, "float32") == pytest.approx(work.strided / 1e9 + work.read / 1e10 + 2 * 8192 / 1e12)
     assert work.fresh == {13: 2 * 8192.0}
+
+
+def _adopting_plan_step(rank: int, world_size: int, plan_json: str) -> dict:
+    """Rank body: one training step of the plan; the ledger's peaks."""
+    from hf_elixir.plan.plan import ElixirPlan
+
+    model = embedding_heavy_gpt2()
+    em = hfe.ElixirModule(model, ElixirPlan.from_json(plan_json))
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = torch.randint(0, 512, (2, 32), generator=torch.Generator().manual_seed(rank))
+    opt.backward(em(input_ids=ids, labels=ids).loss)
+    report = em.memory_report()
+    opt.step()
+    opt.zero_grad()
+    em.drain()
+    return {"peak": report["peak"], "peak_total": report["peak_total"]}
+
+
+def embedding_heavy_gpt2():
+    cfg = GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=64)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+def test_a_chunk_of_one_parameter_adopts_autograds_gradient():
+    """A chunk holding only the (tied) embedding takes autograd's gradient tensor as its
+    buffer: no copy, and no buffer before that gradient exists (the LM head's use at the
+    start of backward allocates none). The predicted gradient-buffer peak and the ledger's
+    peak equal what two real ranks' ledgers hold."""
+    from tests.harness import run_distributed
+
+    prof = profile_model(embedding_heavy_gpt2(), (2, 32), dtype="float32", attention_target="cpu")
+    hw = hfe.HardwareProfile.preset("cpu")
+    cands, packings = search.enumerate_candidates(prof, hw, 2, "float32", "adamw")
+    sizes = {p.name: p.numel for p in prof.params}
+
+    def adopts(c) -> bool:
+        elems = cost.layout_sizes(packings[c.chunk_size], sizes, 2, 4)
+        return 0 in cost.adopting_chunks(packings[c.chunk_size], sizes, elems)
+
+    c = next(c for c in cands if c.n_chunks >= 3 and adopts(c) and c.n_optim_cpu == 0 and not c.checkpointing)
+    assert packings[c.chunk_size][0] == ["transformer.wte.weight"]
+    plan = search.materialize(c, packings[c.chunk_size], prof, hw, 2, "float32", "adamw", c.peak)
+    per_rank = run_distributed(_adopting_plan_step, 2, plan.to_json())
+    mem = plan.predictions["memory"]
+    grad_shards = sum(cost.layout_sizes(packings[c.chunk_size], sizes, 2, 4)) // 2 * 4
+    held = mem["parameters"] + mem["master_weights"] + mem["optimizer_state"] + mem["rcache"] + grad_shards
+    predicted_buffers = plan.predictions["ledger_peak_bytes"] - held
+    for res in per_rank:
+        # the embedding's gradient is a buffer from the access that completes it, with the
+        # two chunks before it still reducing
+        assert res["peak"]["grad_buffers"] == predicted_buffers, (res, mem)
+        assert res["peak_total"] <= plan.predictions["ledger_peak_bytes"]

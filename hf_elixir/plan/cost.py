@@ -93,6 +93,12 @@ def layout_sizes(chunks: Sequence[Sequence[str]], sizes: dict[str, int], world_s
     return [chunk_layout([sizes[n] for n in names], elem_bytes, world_size)[0] for names in chunks]
 
 
+def adopting_chunks(chunks: Sequence[Sequence[str]], sizes: dict[str, int], elems: Sequence[int]) -> frozenset[int]:
+    """Chunks whose gradient buffer is autograd's own gradient tensor (``GradReducer``
+    adopts it): a single parameter that fills the chunk as laid out, without padding."""
+    return frozenset(i for i, names in enumerate(chunks) if len(names) == 1 and sizes[names[0]] == elems[i])
+
+
 def chunk_size_candidates(sizes: Iterable[int], world_size: int, limit: int = 8) -> list[int]:
     """Chunk sizes worth trying: from the largest parameter up to a few times it.
 
@@ -208,10 +214,22 @@ class SimResult:
     runtime_copies: float = 0.0  # compute-stream time of the runtime's own copies
     grad_buffers: list[float] = field(default_factory=list)  # per access: bytes of gradient buffers alive
     buffer_spans: list[tuple[int, int]] = field(default_factory=list)  # per chunk: accesses [first, end)
+    adopted_at: dict[int, int] = field(default_factory=dict)  # adopting chunk -> access it adopts in
 
     def buffers_of(self, chunks: Iterable[int], chunk_bytes: Sequence[float]) -> list[float]:
         """Per access, the bytes of gradient buffers alive among ``chunks`` only."""
         return buffer_bytes(self.buffer_spans, chunks, chunk_bytes, len(self.grad_buffers))
+
+    def beyond_trace(self, buffers: Sequence[float], chunks: Iterable[int],
+                     chunk_bytes: Sequence[float]) -> list[float]:
+        """``buffers`` (of ``chunks``) less what the trace already counts as a temporary:
+        an adopted gradient during the access that produces it. Added to the trace's live
+        bytes, this counts each byte once; the ledger sees ``buffers`` itself."""
+        out = list(buffers)
+        for c in chunks:
+            if c in self.adopted_at:
+                out[self.adopted_at[c]] -= chunk_bytes[c]
+        return out
 
 
 def buffer_bytes(spans: Sequence[tuple[int, int]], chunks: Iterable[int], chunk_bytes: Sequence[float],
@@ -275,15 +293,22 @@ REDUCTIONS_IN_FLIGHT = 2
 
 def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes: Sequence[float],
              world_size: int, links: Links, prefetch: int,
-             param_cpu: set[int] | frozenset = frozenset()) -> SimResult:
+             param_cpu: set[int] | frozenset = frozenset(),
+             adopted: set[int] | frozenset = frozenset()) -> SimResult:
     """Event simulation of compute and the communication stream for one step.
 
     Besides the model's own operators, the compute stream carries the runtime's copies: a
     rank's shard into the gathered block, and each chunk's parameter gradients into its
     full-chunk gradient buffer (read and written once) when its last backward user ran.
     The buffer lives from the chunk's first backward use until the runtime completes its
-    reduction, ``REDUCTIONS_IN_FLIGHT`` reductions later; ``grad_buffers`` holds their bytes per access for the memory model. ``chunk_bytes``:
-    each chunk's size as laid out (``layout_sizes``) times the compute dtype's bytes.
+    reduction, ``REDUCTIONS_IN_FLIGHT`` reductions later; ``grad_buffers`` holds their bytes
+    per access for the memory model. ``chunk_bytes``: each chunk's size as laid out
+    (``layout_sizes``) times the compute dtype's bytes.
+
+    A chunk in ``adopted`` (``adopting_chunks``: exactly one parameter, e.g. a large
+    embedding) takes autograd's gradient tensor as its buffer: no copy, and no buffer before
+    the access that completes that gradient (its last backward use), where the trace already
+    counts the tensor as a temporary (``beyond_trace``).
     """
     W = world_size
     n_chunks = len(chunk_bytes)
@@ -333,7 +358,8 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     figs = links.figs
     # a chunk's gradient buffer is a new allocation each step; the block a shard is copied
     # into is kept in the rCache
-    grad_copy = [figs.copy_seconds(b, fresh=True) if figs else 0.0 for b in chunk_bytes]
+    grad_copy = [figs.copy_seconds(b, fresh=True) if figs and c not in adopted else 0.0
+                 for c, b in enumerate(chunk_bytes)]
     shard_copy = [figs.copy_seconds(b / W, fresh=False) if figs and W > 1 else 0.0 for b in chunk_bytes]
     for e in range(E):
         if not issued[e]:
@@ -365,16 +391,18 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     # The runtime keeps REDUCTIONS_IN_FLIGHT reductions pending and completes (frees) the
     # oldest when another is issued; the rest complete when backward ends.
     issued_at = sorted((last_bwd[c], c) for c in range(n_chunks) if last_bwd[c] >= 0)
-    spans = [(first_bwd[c], E) for c in range(n_chunks)]
+    begin = [last_bwd[c] if c in adopted else first_bwd[c] for c in range(n_chunks)]
+    spans = [(begin[c], E) for c in range(n_chunks)]
     for j, (e_issue, c) in enumerate(issued_at):
         if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
-            spans[c] = (first_bwd[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1)
+            spans[c] = (begin[c], max(begin[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1))
     buffers = buffer_bytes(spans, range(n_chunks), chunk_bytes, E)
     gathered = sum(chunk_bytes[c] for m in misses for c in m)
     return SimResult(backward_end=end, compute=compute, comm_busy=busy, gathers=gathers,
                      gather_bytes=gathered * (W - 1) / max(W, 1),
                      rs_done=rs_done, h2d_param_bytes=h2d_bytes, runtime_copies=copies,
-                     grad_buffers=buffers, buffer_spans=spans)
+                     grad_buffers=buffers, buffer_spans=spans,
+                     adopted_at={c: last_bwd[c] for c in adopted if last_bwd[c] >= 0})
 
 
 def after_backward(shard_elems: float, offloaded_elems: float, compute_bytes: int,

@@ -129,6 +129,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
         param_chunk = {name: i for i, c in enumerate(chunks) for name in c}
         elems = cost.layout_sizes(chunks, sizes, world_size, cb)
         chunk_bytes = [e * cb for e in elems]
+        adopted = cost.adopting_chunks(chunks, sizes, elems)
         links = cost.Links.of(hw, world_size, figs)
         for ckpt in modes:
             step = profile.step(ckpt)
@@ -144,7 +145,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
                     misses = cost.belady_misses(seq, n, R)
-                    sim = cost.simulate(seq, misses, chunk_bytes, world_size, links, d)
+                    sim = cost.simulate(seq, misses, chunk_bytes, world_size, links, d, adopted=adopted)
                     cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw, ranks_per_node)
                     for k in _grid(0, n):
                         out.append(_candidate(ctx, R, d, k, 0, sim, cpu_end[k]))
@@ -152,7 +153,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                         # parameters offloaded too (with every optimizer state on the CPU)
                         for p in _grid(1, n, 16):
                             sim_p = cost.simulate(seq, misses, chunk_bytes, world_size, links, d,
-                                                  param_cpu=frozenset(range(n - p, n)))
+                                                  param_cpu=frozenset(range(n - p, n)), adopted=adopted)
                             cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
                             out.append(_candidate(ctx, R, d, n, p, sim_p, cpu_end_p[n]))
     return out, packings
@@ -181,14 +182,16 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
     hw, n, cb, W = x.hw, x.n, x.cb, x.W
     # one rank adds gradients straight into device gradient shards: only chunks whose
     # optimizer (and so gradient shard) is offloaded need a full-chunk buffer
-    buffers = sim.grad_buffers if W > 1 else sim.buffers_of(range(n - k, n), [e * cb for e in x.elems])
-    act, buf = cost.aligned_peak(x.live, buffers)
+    chunk_bytes = [e * cb for e in x.elems]
+    buffered = range(n) if W > 1 else range(n - k, n)
+    ledger_buffers = sim.buffers_of(buffered, chunk_bytes)
+    act, buf = cost.aligned_peak(x.live, sim.beyond_trace(ledger_buffers, buffered, chunk_bytes))
     mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, k, p, act, x.frozen, x.context, buf,
                       cost.allocator_margin(hw))
     # what the runtime's ledger holds at its own peak (no activations, no frozen parameters):
     # its gradient buffers peak later in backward than the step's total does
     ledger_peak = int(mem.parameters + mem.master_weights + mem.optimizer_state + mem.rcache
-                      + mem.gradients - buf + max(buffers, default=0.0))
+                      + mem.gradients - buf + max(ledger_buffers, default=0.0))
     shards = [e / W for e in x.elems]
     off, off_params = sum(shards[n - k:]), sum(shards[n - p:])
     if hw.device_type == "cpu":  # optimizer, clipping and offload copies share the rank's cores
