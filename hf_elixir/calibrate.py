@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from hf_elixir.profile.memory import matmul_layout
+from hf_elixir.runtime.host_memory import keep_freed_host_memory
 
 #: matmul shapes (tokens, in, out) of the ladder; ordered by FLOPs
 _MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536), (256, 768, 768),
@@ -147,6 +148,8 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
                     threads: int | None = None) -> ComputeFigures:
     """Every ``ComputeFigures`` field on ``device`` with the current thread setting."""
     sync = torch.cuda.synchronize if device.type == "cuda" else None
+    if device.type == "cpu":  # as ElixirModule runs: freed memory stays mapped (no page faults)
+        keep_freed_host_memory()
     figs = ComputeFigures(threads=threads or torch.get_num_threads())
     for dtype in dtypes:
         figs.matmul_curve[dtype], figs.matmul_layouts[dtype] = _matmul_curves(device, _torch_dtype(dtype), sync, quick)
@@ -226,7 +229,8 @@ def _memory_rates(device, sync, overhead: float, quick: bool) -> tuple[float, li
     read = 2 * n * 4 / max(best_time(lambda: x.add_(y), repeat=3, sync=sync) - overhead, 1e-9)
     curve = []
     # glibc serves allocations under its mmap threshold (up to 32 MiB) from a reused heap and
-    # maps larger ones afresh each time: the rate falls off a cliff there
+    # maps larger ones afresh each time, so the rate falls off a cliff there, unless freed
+    # memory stays mapped (runtime/host_memory.py; what a CPU ElixirModule sets)
     for size in ([2**16, 2**22] if quick else [2**14, 2**20, 2**23, 2**24, 2**25 - 2**20, 2**25 + 2**20, 2**26]):
         m = size // 4
         a, b = x[:m] if m <= n else torch.randn(m, device=device), y[:m] if m <= n else torch.randn(m, device=device)

@@ -25,6 +25,7 @@ from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager
+from hf_elixir.runtime.host_memory import keep_freed_host_memory
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.reduce import GradReducer
 
@@ -148,6 +149,8 @@ class ElixirModule(nn.Module):
         self.module = model
         self.plan = plan
         self.device = resolve_device(device)
+        if self.device.type == "cpu":  # no page faults on every large tensor of every step
+            keep_freed_host_memory()
         self.comm = Collectives.create(process_group, self.device)
         # uploads of offloaded shards overlap compute on their own stream
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
