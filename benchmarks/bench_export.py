@@ -2,8 +2,8 @@
 
 Default: the 124M-parameter GPT-2 config (transformers' GPT2Config defaults), built from the
 config (no download). Each measured phase runs in a fresh process with
-``MALLOC_MMAP_THRESHOLD_=65536`` (so freed buffers go back to the OS and RSS shows what is
-held); the peak resident set during the phase is measured as the growth of VmHWM after
+``MALLOC_MMAP_THRESHOLD_=65536`` and ``HF_ELIXIR_KEEP_HOST_MEMORY=0`` (so freed buffers go
+back to the OS and RSS shows what is held); the peak resident set during the phase is measured as the growth of VmHWM after
 resetting it (``/proc/self/clear_refs``), with a 2 ms RSS sampler as a fallback.
 
     python benchmarks/bench_export.py                      # GPT-2 124M
@@ -129,7 +129,7 @@ def _check_export(out: Path, sums: dict) -> bool:
 
 
 def _child(phase: str, args) -> dict:
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", HF_ELIXIR_KEEP_HOST_MEMORY="0", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
     cmd = [sys.executable, __file__, "--phase", phase, "--ckpt", str(args.ckpt), "--out", str(args.out),
            "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd), "--vocab", str(args.vocab),
            "--n-positions", str(args.n_positions), "--max-shard-size", str(args.max_shard_size)]

@@ -23,6 +23,12 @@ active in the timed steps (it costs Python time per op). Two hf_elixir rows:
   (all-gather, reduce-scatter): the bytes hf_elixir moves with NCCL.
 
 The hf_elixir rows also carry the runtime's own counter and the planner's prediction.
+
+Host memory: on a CPU device hf_elixir makes glibc keep freed memory mapped
+(hf_elixir/runtime/host_memory.py); DDP and FSDP2 run with glibc's defaults, as a user gets
+them (they run first in each rank, before any ElixirModule exists). ``--keep-host-memory
+all`` gives every system the same setting, to separate what the allocator setting is worth
+from what the runtime is.
 """
 
 from __future__ import annotations
@@ -208,6 +214,10 @@ def counted_step(step, info, rank: int, world: int, index: int, args, vocab: int
 def worker(rank: int, world: int, port: int, args, queue, systems: dict | None = None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, args.threads))
+    if getattr(args, "keep_host_memory", "hf_elixir") == "all":
+        from hf_elixir.runtime.host_memory import keep_freed_host_memory
+
+        keep_freed_host_memory()
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for model_name in args.models:
@@ -323,6 +333,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--keep-host-memory", choices=("hf_elixir", "all"), default="hf_elixir",
+                   help="which systems run with freed host memory kept mapped (see above)")
     p.add_argument("--output", type=Path, default=RESULTS / "bench_step.json")
     args = p.parse_args()
     if args.global_batch % args.world_size:
