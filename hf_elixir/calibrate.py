@@ -33,10 +33,10 @@ from __future__ import annotations
 
 import math
 import os
-import warnings
 import socket
 import statistics
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 

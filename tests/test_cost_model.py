@@ -179,8 +179,8 @@ def test_matmuls_are_kept_by_layout():
 
 
 def test_an_add_across_layouts_is_priced_as_strided():
-    """A tied embedding's two gradients (one transposed) meet in an add that reads against
-    one operand's layout; it is kept apart from contiguous reads and priced at its own rate."""
+    """An add of a row-major and a transposed operand reads against one operand's layout;
+    it is kept apart from contiguous reads and priced at its own rate."""
     from hf_elixir.profile.memory import LiveStorageTracker
 
     a = torch.empty(64, 32, device="meta")

@@ -93,10 +93,16 @@ def layout_sizes(chunks: Sequence[Sequence[str]], sizes: dict[str, int], world_s
     return [chunk_layout([sizes[n] for n in names], elem_bytes, world_size)[0] for names in chunks]
 
 
+def adopts_gradient(numels: Sequence[int], chunk_elems: int) -> bool:
+    """Whether a chunk takes autograd's gradient tensor as its gradient buffer instead of
+    copying it (``GradReducer``): it holds one parameter that fills it as laid out, without
+    padding. The runtime and the cost model both ask this."""
+    return len(numels) == 1 and numels[0] == chunk_elems
+
+
 def adopting_chunks(chunks: Sequence[Sequence[str]], sizes: dict[str, int], elems: Sequence[int]) -> frozenset[int]:
-    """Chunks whose gradient buffer is autograd's own gradient tensor (``GradReducer``
-    adopts it): a single parameter that fills the chunk as laid out, without padding."""
-    return frozenset(i for i, names in enumerate(chunks) if len(names) == 1 and sizes[names[0]] == elems[i])
+    """The chunks that adopt autograd's gradient (``adopts_gradient``)."""
+    return frozenset(i for i, names in enumerate(chunks) if adopts_gradient([sizes[n] for n in names], elems[i]))
 
 
 def chunk_size_candidates(sizes: Iterable[int], world_size: int, limit: int = 8) -> list[int]:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from hf_elixir.plan.cost import REDUCTIONS_IN_FLIGHT
+from hf_elixir.plan.cost import REDUCTIONS_IN_FLIGHT, adopts_gradient
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
 from hf_elixir.runtime.ledger import MemoryLedger
@@ -81,8 +81,7 @@ class GradReducer:
     @staticmethod
     def _can_adopt(chunk: Chunk, grad: torch.Tensor) -> bool:
         return (
-            len(chunk.slots) == 1
-            and chunk.slots[0].numel == chunk.size
+            adopts_gradient([slot.numel for slot in chunk.slots], chunk.size)
             and grad.is_contiguous()
             and grad.dtype == chunk.dtype
             and grad.device == chunk.device
