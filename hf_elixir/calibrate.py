@@ -37,7 +37,7 @@ import socket
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -83,7 +83,13 @@ class ComputeFigures:
         event_overhead: seconds the runtime's own hooks add per fetch event (a module's
             forward or backward: pinning, cache bookkeeping, gradient marks).
         efficiency: measured / priced time of a small causal LM's forward and backward
-            (embedding, a transformer block, the LM head and the loss).
+            (embedding, a transformer block, the LM head and the loss): the median over the
+            calibrated widths, used where a model's width is unknown.
+        efficiency_curve: ``[[hidden_size, efficiency], ...]`` ascending: the same ratio for
+            a causal LM of each width. Narrow models fall further below their per-operator
+            prices (a matmul over a 128-wide inner dimension runs slower than a square one of
+            the same FLOPs; attention and layer norm are dominated by per-row work), so
+            ``efficiency_at`` interpolates for the width of the model being planned.
         adam_rate: fused AdamW, elements/s for one rank.
         threads: torch threads per rank these figures were measured with.
     """
@@ -97,6 +103,7 @@ class ComputeFigures:
     op_overhead: float = 10e-6
     event_overhead: float = 0.0
     efficiency: float = 1.0
+    efficiency_curve: list[list[float]] = field(default_factory=list)
     adam_rate: float = 1e9
     threads: int = 1
 
@@ -111,6 +118,17 @@ class ComputeFigures:
 
     def write_rate(self, nbytes: float) -> float:
         return _interp(self.write_curve, nbytes)
+
+    def efficiency_at(self, hidden_size: int | None) -> float:
+        """The efficiency of a model ``hidden_size`` wide (``efficiency`` when unknown or
+        when these figures predate the curve)."""
+        if not hidden_size or not self.efficiency_curve:
+            return self.efficiency
+        return _interp(self.efficiency_curve, float(hidden_size))
+
+    def for_width(self, hidden_size: int | None) -> "ComputeFigures":
+        """These figures with ``efficiency`` set for a model ``hidden_size`` wide."""
+        return replace(self, efficiency=self.efficiency_at(hidden_size))
 
     def copy_seconds(self, nbytes: float, fresh: bool) -> float:
         """A copy of ``nbytes`` into a new tensor (``fresh``) or into mapped memory."""
@@ -143,6 +161,24 @@ def best_time(fn: Callable[[], object], repeat: int = 3, sync: Callable[[], None
     return max(best, 1e-9)
 
 
+def median_time(fn: Callable[[], object], repeat: int = 5, sync: Callable[[], None] | None = None,
+                budget: float = 3.0) -> float:
+    """The median of ``repeat`` timed calls after one warm-up (at least three; fewer than
+    ``repeat`` when they take longer than ``budget`` seconds): what a training loop's steady
+    step sees, where ``best_time`` gives a kernel's best case."""
+    fn()
+    if sync:
+        sync()
+    times: list[float] = []
+    while len(times) < repeat and (len(times) < 3 or sum(times) < budget):
+        t = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        times.append(time.perf_counter() - t)
+    return max(statistics.median(times), 1e-9)
+
+
 # ---------------------------------------------------------------------- compute
 def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",), quick: bool = False,
                     threads: int | None = None) -> ComputeFigures:
@@ -159,7 +195,8 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
     figs.special_rate = _special_rate(device, sync, figs.op_overhead)
     figs.adam_rate = adam_rate(device, (1 if quick else 8) * 2**20, sync)
     figs.event_overhead = runtime_event_overhead(device, sync)
-    figs.efficiency = block_efficiency(figs, device, sync, quick)
+    figs.efficiency_curve = block_efficiency(figs, device, sync, quick)
+    figs.efficiency = statistics.median(r for _, r in figs.efficiency_curve)
     return figs
 
 
@@ -365,13 +402,22 @@ def _lm_work(model: nn.Module, shape: tuple[int, int], target: str):
     return work
 
 
-def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quick: bool = False) -> float:
-    """Measured over priced time of a small causal LM's forward and backward (the median of
-    a few shapes): what per-operator prices miss, such as autograd's own work."""
-    shapes = [(2, 128, 384, 6, 8192)] if quick else [(2, 128, 384, 6, 32000), (2, 128, 768, 12, 32000),
-                                                      (4, 256, 512, 8, 8192)]
-    ratios = []
-    for b, s, h, heads, vocab in shapes:
+#: causal-LM shapes (batch, seq, hidden, heads, vocab) the efficiency is measured at, one per
+#: width; a CPU skips those whose matmuls would take too long
+_LM_SHAPES = [(4, 128, 128, 4, 8192), (4, 128, 256, 4, 8192), (2, 128, 384, 6, 32000),
+              (4, 256, 512, 8, 8192), (2, 128, 768, 12, 32000), (4, 512, 1024, 16, 32000),
+              (4, 512, 2048, 16, 32000), (2, 1024, 4096, 32, 32000)]
+_LM_SHAPES_QUICK = [(4, 128, 128, 4, 8192), (2, 128, 384, 6, 8192)]
+
+
+def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quick: bool = False) -> list[list[float]]:
+    """Measured over priced time of a small causal LM's forward and backward, by width:
+    what per-operator prices miss, such as autograd's own work and narrow matmuls' lower
+    rate. Measured as a median step, since that is what the prediction is compared with."""
+    curve = []
+    for b, s, h, heads, vocab in (_LM_SHAPES_QUICK if quick else _LM_SHAPES):
+        if device.type == "cpu" and 6 * b * s * h * (12 * h + vocab) > 1e11:
+            continue  # over a second per step on a one-thread CPU rank
         torch.manual_seed(0)
         model = _MiniLM(vocab, h, heads).to(device)
         ids = torch.randint(0, vocab, (b, s), device=device)
@@ -381,10 +427,10 @@ def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quic
             for p in model.parameters():
                 p.grad = None
 
-        measured = best_time(step, repeat=3, sync=sync)
+        measured = median_time(step, sync=sync)
         priced = price(_lm_work(model, (b, s), device.type), figs, "float32", efficiency=1.0)
-        ratios.append(measured / priced)
-    return statistics.median(ratios)
+        curve.append([float(h), measured / priced])
+    return curve
 
 
 def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = None) -> float:

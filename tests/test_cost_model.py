@@ -122,6 +122,23 @@ def test_pricing_follows_the_measured_figures():
     assert price(w, figs, "float32") == pytest.approx(2.0 * expected)
 
 
+def test_efficiency_follows_the_width_of_the_model_planned(gpt2):
+    """The block efficiency is calibrated per width; a plan uses the one at its model's width
+    (read from the weights: GPT-2's n_embd, Llama's hidden_size), interpolated log-log."""
+    from transformers import LlamaConfig
+
+    figs = ComputeFigures(efficiency=1.1, efficiency_curve=[[128.0, 1.4], [512.0, 1.0]])
+    assert figs.efficiency_at(None) == 1.1
+    assert figs.efficiency_at(64) == 1.4 and figs.efficiency_at(4096) == 1.0
+    assert figs.efficiency_at(256) == pytest.approx(1.4 ** 0.5)
+    assert figs.for_width(128).efficiency == 1.4 and figs.efficiency == 1.1
+    assert ComputeFigures(efficiency=0.9).efficiency_at(128) == 0.9  # figures from before the curve
+    assert gpt2[1].hidden_size == 64
+    llama = LlamaConfig(hidden_size=96, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                        num_key_value_heads=2, vocab_size=200)
+    assert profile_model(llama, (1, 16), checkpointing=False).hidden_size == 96
+
+
 def test_cpu_ranks_sharing_every_core_cannot_hide_communication():
     hw = hfe.HardwareProfile.preset("cpu").with_cluster(gpus_per_node=2)
     figs = ComputeFigures(threads=1)

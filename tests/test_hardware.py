@@ -64,6 +64,10 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
         assert cal.sources[f] == "measured"
     assert cal.h2d_bandwidth > 1e6 and cal.cpu_adam_throughput > 1e5
     assert cal.matmul_flops["float32"] > 1e6
+    figs = cal.compute_figures(1)
+    widths = [w for w, _ in figs.efficiency_curve]
+    assert widths == sorted(widths) and len(widths) >= 2
+    assert all(0.2 < r < 5.0 for _, r in figs.efficiency_curve)
     cached = list(tmp_path.glob("hardware-*.json"))
     assert len(cached) == 1
     again = HardwareProfile.detect()  # uses the cached calibration

@@ -114,7 +114,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     order = profile.param_order()
     cb = cost.DTYPE_BYTES[compute_dtype]
     ranks_per_node = min(world_size, hw.gpus_per_node)
-    figs = hw.compute_figures(ranks_per_node)
+    figs = hw.compute_figures(ranks_per_node).for_width(profile.hidden_size)
     # each fetch event: its operators, plus what the runtime's hooks cost around them
     price = lambda w: calibrate.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
     frozen = profile.frozen_bytes + profile.buffer_bytes

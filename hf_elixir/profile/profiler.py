@@ -4,6 +4,7 @@ activation checkpointing, giving everything the planner needs to know about the 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -81,6 +82,16 @@ class ModelProfile:
     @property
     def n_params(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def hidden_size(self) -> int | None:
+        """The model's width, read from its weights rather than its config (whose field names
+        vary): the most common smaller side of its trainable matrices, since every projection
+        of a transformer block has the hidden size on one side. None without matrices."""
+        sides = Counter(min(p.shape) for p in self.params if len(p.shape) == 2)
+        if not sides:
+            return None
+        return max(sides.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
     @property
     def largest_param(self) -> ParamInfo:
