@@ -233,9 +233,12 @@ def run_all(entries: list[dict], args) -> list[dict]:
     with socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
+    from hf_elixir.runtime.host_memory import spawning_cpu_ranks
+
     procs = [ctx.Process(target=worker, args=(r, port, entries, args, queue)) for r in range(WORLD)]
-    for p in procs:
-        p.start()
+    with spawning_cpu_ranks():  # as hf-elixir launch starts CPU ranks
+        for p in procs:
+            p.start()
     got: dict[int, dict] = {}
     while len(got) < len(entries):
         try:

@@ -24,11 +24,13 @@ active in the timed steps (it costs Python time per op). Two hf_elixir rows:
 
 The hf_elixir rows also carry the runtime's own counter and the planner's prediction.
 
-Host memory: on a CPU device hf_elixir makes glibc keep freed memory mapped
-(hf_elixir/runtime/host_memory.py); DDP and FSDP2 run with glibc's defaults, as a user gets
-them (they run first in each rank, before any ElixirModule exists). ``--keep-host-memory
-all`` gives every system the same setting, to separate what the allocator setting is worth
-from what the runtime is.
+Host memory: every rank starts as ``hf-elixir launch`` starts CPU ranks, with glibc's
+per-thread cache off (without it the heap fragments under gloo;
+hf_elixir/runtime/host_memory.py). On a CPU device hf_elixir also makes glibc keep freed
+memory mapped; DDP and FSDP2 run with glibc's other defaults, as a user gets them (they run
+first in each rank, before any ElixirModule exists). ``--keep-host-memory all`` gives every
+system the same setting, to separate what the allocator setting is worth from what the
+runtime is.
 """
 
 from __future__ import annotations
@@ -306,8 +308,11 @@ def launch(args, systems: dict | None = None) -> dict:
         port = s.getsockname()[1]
     procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue, systems))
              for r in range(args.world_size)]
-    for proc in procs:
-        proc.start()
+    from hf_elixir.runtime.host_memory import spawning_cpu_ranks
+
+    with spawning_cpu_ranks():  # every system's ranks start as hf-elixir launch starts them
+        for proc in procs:
+            proc.start()
     while True:  # a rank that dies would otherwise leave this waiting forever
         try:
             results = queue.get(timeout=5)

@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 from hf_elixir.profile.memory import matmul_layout
-from hf_elixir.runtime.host_memory import keep_freed_host_memory
+from hf_elixir.runtime.host_memory import keep_freed_host_memory, spawning_cpu_ranks
 
 #: matmul shapes (tokens, in, out) of the ladder; ordered by FLOPs
 _MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536), (256, 768, 768),
@@ -526,8 +526,9 @@ def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | No
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     procs = [ctx.Process(target=_pair_worker, args=(r, 2, port, quick, backend, q)) for r in range(2)]
-    for p in procs:
-        p.start()
+    with spawning_cpu_ranks():  # as CPU ranks are started (runtime/host_memory.py)
+        for p in procs:
+            p.start()
     deadline = time.monotonic() + timeout
     for p in procs:
         p.join(timeout=max(1.0, deadline - time.monotonic()))

@@ -7,6 +7,7 @@ its traceback; a hung collective fails it after ``timeout`` seconds instead of h
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -15,6 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 from typing import Any, Callable
+
+from hf_elixir.runtime.host_memory import spawning_cpu_ranks
 
 TESTS_DIR = str(Path(__file__).resolve().parent)
 
@@ -45,15 +48,20 @@ def _entry(fn: Callable, rank: int, world_size: int, port: int, queue, args: tup
         queue.put((rank, "error", traceback.format_exc()))
 
 
-def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn`` on ``world_size`` ranks; return the per-rank results in rank order."""
+def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0,
+                    launcher_env: bool = True) -> list[Any]:
+    """Run ``fn`` on ``world_size`` ranks; return the per-rank results in rank order.
+
+    ``launcher_env``: start the ranks with the environment ``hf-elixir launch`` gives CPU
+    ranks (glibc's per-thread cache off); False starts them as plain torchrun would."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args), daemon=True)
              for r in range(world_size)]
-    for p in procs:
-        p.start()
+    with spawning_cpu_ranks() if launcher_env else contextlib.nullcontext():
+        for p in procs:
+            p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:

@@ -13,6 +13,7 @@ from accelerate.commands.config.config_args import load_config_from_file
 
 from harness import free_port
 from hf_elixir.integrations.launch import accelerate_view, read_config
+from hf_elixir.runtime.host_memory import rank_environment
 from integration_helpers import accelerate_launch, check, elixir_launch, hf_elixir, max_diff
 
 SCRIPT = "accelerate_loop.py"
@@ -36,7 +37,9 @@ def configs(tmp_path_factory):
     # On CPU, Accelerate starts several processes only through MPI; the plain reference gets
     # the same torchrun-based form the elixir launcher hands Accelerate
     plain, env = accelerate_view(read_config(d / "elixir.yaml"), cuda=False)
-    assert env == {"ACCELERATE_USE_CPU": "true"}
+    # and CPU ranks start with glibc's per-thread cache off (runtime/host_memory.py)
+    assert env == {"ACCELERATE_USE_CPU": "true", "GLIBC_TUNABLES": rank_environment()["GLIBC_TUNABLES"]}
+    assert "glibc.malloc.tcache_count=0" in env["GLIBC_TUNABLES"]
     (d / "plain.yaml").write_text(yaml.safe_dump(plain))
     return d / "elixir.yaml", d / "plain.yaml"
 

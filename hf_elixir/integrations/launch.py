@@ -24,6 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
+from hf_elixir.runtime.host_memory import TUNABLE_ENV, rank_environment
 
 BOOTSTRAP = "hf_elixir.integrations.bootstrap"
 SECTION = "elixir"
@@ -113,6 +114,8 @@ def accelerate_view(cfg: LaunchConfig, cuda: bool) -> tuple[dict[str, Any], dict
     """The config Accelerate is given, and extra environment for the workers.
 
     Several CPU processes are started like GPU ones (torchrun) and told to use the CPU.
+    CPU ranks start with glibc's per-thread cache off, or their heap fragments step after
+    step (``hf_elixir/runtime/host_memory.py``).
     """
     acc = dict(cfg.accelerate)
     env: dict[str, str] = {}
@@ -122,6 +125,8 @@ def accelerate_view(cfg: LaunchConfig, cuda: bool) -> tuple[dict[str, Any], dict
         acc["distributed_type"] = "MULTI_GPU"
         acc["use_cpu"] = False
         env["ACCELERATE_USE_CPU"] = "true"
+    if not cuda or kind == "MULTI_CPU" or acc.get("use_cpu"):
+        env[TUNABLE_ENV] = rank_environment()[TUNABLE_ENV]
     return acc, env
 
 

@@ -25,7 +25,7 @@ from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager
-from hf_elixir.runtime.host_memory import keep_freed_host_memory
+from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.reduce import GradReducer
 
@@ -149,9 +149,14 @@ class ElixirModule(nn.Module):
         self.module = model
         self.plan = plan
         self.device = resolve_device(device)
-        if self.device.type == "cpu":  # no page faults on every large tensor of every step
-            keep_freed_host_memory()
         self.comm = Collectives.create(process_group, self.device)
+        # on a CPU device the heap is the device memory: keep it mapped, and bounded
+        # (runtime/host_memory.py)
+        self.heap_guard: Optional[HeapGuard] = None
+        if self.device.type == "cpu":
+            keep_freed_host_memory()
+            warn_if_heap_fragments(self.comm.world_size)
+            self.heap_guard = HeapGuard()
         # uploads of offloaded shards overlap compute on their own stream
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ledger = MemoryLedger()

@@ -317,6 +317,8 @@ class ElixirOptimizer(Optimizer):
         for chunk in self.module.chunks:
             if not chunk.uploads_from_staging:
                 self._publish(chunk, readers_done)
+        if self.module.heap_guard is not None:  # between steps: the heap holds the least now
+            self.module.heap_guard.after_step()
         self.module.prefetch_next_pass()
         self.module.reducer.clear_seen()
         self._grads_unscaled = False
