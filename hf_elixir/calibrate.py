@@ -31,6 +31,7 @@ core, so its figures are measured once more that way. Each set is a ``ComputeFig
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import socket
@@ -410,7 +411,8 @@ _LM_SHAPES = [(4, 128, 128, 4, 8192), (4, 128, 256, 4, 8192), (2, 128, 384, 6, 3
 _LM_SHAPES_QUICK = [(4, 128, 128, 4, 8192), (2, 128, 384, 6, 8192)]
 
 
-def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None, quick: bool = False) -> list[list[float]]:
+def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None,
+                     quick: bool = False) -> list[list[float]]:
     """Measured over priced time of a small causal LM's forward and backward, by width:
     what per-operator prices miss, such as autograd's own work and narrow matmuls' lower
     rate. Measured as a median step, since that is what the prediction is compared with."""
@@ -526,7 +528,8 @@ def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | No
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
     procs = [ctx.Process(target=_pair_worker, args=(r, 2, port, quick, backend, q)) for r in range(2)]
-    with spawning_cpu_ranks():  # as CPU ranks are started (runtime/host_memory.py)
+    # CPU ranks start as hf-elixir launch starts them (runtime/host_memory.py)
+    with spawning_cpu_ranks() if backend == "gloo" else contextlib.nullcontext():
         for p in procs:
             p.start()
     deadline = time.monotonic() + timeout
