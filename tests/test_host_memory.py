@@ -2,7 +2,8 @@
 
 - After an ElixirModule exists on a CPU device, re-allocating a large tensor takes no page
   faults; with HF_ELIXIR_KEEP_HOST_MEMORY=0 every 4 KiB page faults again (glibc's
-  defaults). Fresh processes: the setting is process-wide.
+  defaults). Fresh processes (the setting is process-wide), started as the launcher starts
+  CPU ranks.
 - Two gloo ranks started as ``hf-elixir launch`` starts them keep a flat resident size over
   many steps (before the launcher set glibc's per-thread cache off, this run grew by tens
   of MB a step, without end).
@@ -21,7 +22,7 @@ from harness import run_distributed
 from heap_worker import train_and_watch_rss
 
 import hf_elixir.runtime.host_memory as host_memory
-from hf_elixir.runtime.host_memory import HeapGuard
+from hf_elixir.runtime.host_memory import HeapGuard, rank_environment
 
 PROBE = r"""
 import json, resource, torch
@@ -44,7 +45,10 @@ MB = 2**20
 
 
 def probe(keep: str | None) -> dict:
-    env = dict(os.environ)
+    """The probe in a fresh process started as the launcher starts CPU ranks. Without that
+    environment, glibc's per-thread cache makes reuse a matter of luck (3 probes in 10
+    faulted every page in again)."""
+    env = rank_environment()
     env.pop("HF_ELIXIR_KEEP_HOST_MEMORY", None)
     if keep is not None:
         env["HF_ELIXIR_KEEP_HOST_MEMORY"] = keep
