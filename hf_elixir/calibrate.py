@@ -31,7 +31,6 @@ core, so its figures are measured once more that way. Each set is a ``ComputeFig
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import socket
@@ -529,7 +528,7 @@ def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | No
     q = ctx.SimpleQueue()
     procs = [ctx.Process(target=_pair_worker, args=(r, 2, port, quick, backend, q)) for r in range(2)]
     # CPU ranks start as hf-elixir launch starts them (runtime/host_memory.py)
-    with spawning_cpu_ranks() if backend == "gloo" else contextlib.nullcontext():
+    with spawning_cpu_ranks(enabled=backend == "gloo"):
         for p in procs:
             p.start()
     deadline = time.monotonic() + timeout

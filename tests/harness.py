@@ -7,7 +7,6 @@ its traceback; a hung collective fails it after ``timeout`` seconds instead of h
 
 from __future__ import annotations
 
-import contextlib
 import multiprocessing as mp
 import os
 import pickle
@@ -59,7 +58,7 @@ def run_distributed(fn: Callable, world_size: int, *args: Any, timeout: float = 
     port = free_port()
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, queue, args), daemon=True)
              for r in range(world_size)]
-    with spawning_cpu_ranks() if launcher_env else contextlib.nullcontext():
+    with spawning_cpu_ranks(enabled=launcher_env):
         for p in procs:
             p.start()
     results: dict[int, Any] = {}

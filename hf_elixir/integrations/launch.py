@@ -24,7 +24,7 @@ from typing import Any, Optional
 import yaml
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
-from hf_elixir.runtime.host_memory import TUNABLE_ENV, rank_environment
+from hf_elixir.runtime.host_memory import TUNABLE_ENV, rank_tunables
 
 BOOTSTRAP = "hf_elixir.integrations.bootstrap"
 SECTION = "elixir"
@@ -126,7 +126,7 @@ def accelerate_view(cfg: LaunchConfig, cuda: bool) -> tuple[dict[str, Any], dict
         acc["use_cpu"] = False
         env["ACCELERATE_USE_CPU"] = "true"
     if not cuda or kind == "MULTI_CPU" or acc.get("use_cpu"):
-        env[TUNABLE_ENV] = rank_environment()[TUNABLE_ENV]
+        env[TUNABLE_ENV] = rank_tunables(os.environ.get(TUNABLE_ENV, ""))
     return acc, env
 
 

@@ -34,7 +34,7 @@ import os
 import platform
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 ENV = "HF_ELIXIR_KEEP_HOST_MEMORY"
@@ -68,21 +68,31 @@ _kept: Optional[bool] = None
 _warned = False
 
 
+def rank_tunables(current: str = "") -> str:
+    """``GLIBC_TUNABLES`` for a CPU rank: ``current`` with ``TUNABLES`` added (a cache
+    setting already there is left as it is)."""
+    if "glibc.malloc.tcache_count=" in current:
+        return current
+    return f"{current}:{TUNABLES}" if current else TUNABLES
+
+
 def rank_environment(env: Optional[dict] = None) -> dict:
-    """``env`` (default: this process's) with ``TUNABLES`` added, for starting CPU ranks."""
+    """``env`` (default: this process's) as a CPU rank should start with it."""
     env = dict(os.environ if env is None else env)
-    current = env.get(TUNABLE_ENV, "")
-    if "glibc.malloc.tcache_count=" not in current:
-        env[TUNABLE_ENV] = f"{current}:{TUNABLES}" if current else TUNABLES
+    env[TUNABLE_ENV] = rank_tunables(env.get(TUNABLE_ENV, ""))
     return env
 
 
 @contextmanager
-def spawning_cpu_ranks() -> Iterator[None]:
+def spawning_cpu_ranks(enabled: bool = True) -> Iterator[None]:
     """Within: this process's environment carries ``TUNABLES``, so that the CPU ranks it
-    starts (``multiprocessing`` spawn, subprocesses) start with it; restored after."""
+    starts (``multiprocessing`` spawn, subprocesses) start with it; restored after. Does
+    nothing when not ``enabled`` (ranks that are not CPU ranks)."""
+    if not enabled:
+        yield
+        return
     before = os.environ.get(TUNABLE_ENV)
-    os.environ[TUNABLE_ENV] = rank_environment()[TUNABLE_ENV]
+    os.environ[TUNABLE_ENV] = rank_tunables(before or "")
     try:
         yield
     finally:
@@ -94,7 +104,7 @@ def spawning_cpu_ranks() -> Iterator[None]:
 
 def tcache_disabled() -> bool:
     """Whether this process was started with glibc's per-thread cache off."""
-    return "glibc.malloc.tcache_count=0" in os.environ.get(TUNABLE_ENV, "")
+    return TUNABLES in os.environ.get(TUNABLE_ENV, "")
 
 
 def keep_freed_host_memory() -> bool:
@@ -144,9 +154,9 @@ class HeapGuard:
 
     growth: float = 1.5
     settle_steps: int = 3
-    steps: int = 0
-    baseline: Optional[int] = None
-    trims: int = 0
+    steps: int = field(default=0, init=False)
+    baseline: Optional[int] = field(default=None, init=False)
+    trims: int = field(default=0, init=False)
 
     def after_step(self) -> bool:
         """Call between optimizer steps; whether it trimmed."""
