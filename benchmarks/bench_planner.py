@@ -201,7 +201,7 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
            "measured_peak_bytes": held + buffers + during, "held_bytes": held,
            "step_allocations_peak": during, "losses": losses,
            "cache_stats": em.memory_report()["cache_stats"]}
-    em.drain()  # prefetched gathers of the next pass may still be writing into its blocks
+    em.close()  # waits for the next pass's prefetched gathers, gives back its process groups
     del em, opt, model
     gc.collect()
     return out

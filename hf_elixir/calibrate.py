@@ -328,7 +328,7 @@ def runtime_event_overhead(device: torch.device, sync=None, layers: int = 48) ->
     try:
         through = timed(wrapped)
     finally:
-        wrapped.drain()
+        wrapped.close()
     return max(0.0, (through - plain) / (2 * layers))
 
 

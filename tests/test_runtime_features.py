@@ -414,3 +414,51 @@ def test_a_dropped_model_is_freed() -> None:
     model_ref, em_ref = train_once()
     gc.collect()
     assert em_ref() is None and model_ref() is None
+
+
+# ---------------------------------------------------------------------- closing a runtime
+def _open_handles() -> tuple[int, int]:
+    import os
+
+    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _train_once(close: bool) -> "hfe.ElixirModule":
+    model = make_model("gpt2")
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 2, chunk_size=4096))
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    ids = make_batch(4, 16)
+    opt.backward(em(input_ids=ids, labels=ids).loss)
+    opt.step()
+    if close:
+        em.close()
+    return em
+
+
+def _many_runtimes(rank: int, world_size: int) -> dict:
+    closed = []
+    for _ in range(4):
+        em = _train_once(close=True)
+        closed.append(_open_handles())
+    ids = make_batch(4, 16)
+    try:
+        em(input_ids=ids, labels=ids)
+        error = ""
+    except RuntimeError as e:
+        error = str(e)
+    em.close()  # a second close is a no-op
+    kept = [_open_handles()]
+    keep_alive = [_train_once(close=False) for _ in range(2)]
+    kept.append(_open_handles())
+    for em in keep_alive:
+        em.close()
+    return {"closed": closed, "kept": kept, "error": error}
+
+
+def test_closed_runtimes_leave_no_threads_or_sockets_behind() -> None:
+    """A sweep builds runtime after runtime in one process: closing each gives back its
+    process groups' threads and sockets; without close() each one's stay (the control)."""
+    for got in run_distributed(_many_runtimes, 2):
+        assert got["closed"][-1] == got["closed"][0], got["closed"]
+        assert got["kept"][1][0] > got["kept"][0][0] and got["kept"][1][1] > got["kept"][0][1], got["kept"]
+        assert "closed" in got["error"] and "new ElixirModule" in got["error"]

@@ -139,6 +139,10 @@ class Collectives:
     _gather_fn: Callable = field(default=None, repr=False)
     _reduce_scatter_fn: Callable = field(default=None, repr=False)
     counter: CommCounter = field(default_factory=CommCounter, repr=False)
+    #: groups ``create`` made that ``close`` can destroy safely (those over the whole world);
+    #: the caller's own group is never among them
+    owned_groups: tuple[dist.ProcessGroup, ...] = field(default=(), repr=False)
+    closed: bool = field(default=False, repr=False)
 
     @classmethod
     def create(cls, process_group: Optional[dist.ProcessGroup] = None,
@@ -157,13 +161,24 @@ class Collectives:
                        device=device)
         ranks = dist.get_process_group_ranks(process_group)
         backend = backend_for(device)
+        # over the whole world every rank makes the groups, and they get counted names that
+        # are never reused, so close() may destroy them; a subgroup's ranks make theirs alone
+        # (local synchronisation), named by a hash of the ranks and the number of live groups,
+        # which a destroyed group would hand to the next one, stale rendezvous keys and all
+        whole_world = world_size == dist.get_world_size()
+        make = lambda: dist.new_group(ranks, backend=backend, use_local_synchronization=not whole_world)  # noqa: E731
+        made = []
         if not group_carries(str(dist.get_backend(process_group)), device):
             # e.g. device="cpu" under an NCCL default group: same ranks, the device's backend
-            process_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
-        reduce_group = dist.new_group(ranks, backend=backend, use_local_synchronization=True)
+            process_group = make()
+            made.append(process_group)
+        reduce_group = make()
+        made.append(reduce_group)
+        owned = made if whole_world else []
         host = backend == "gloo" and host_collectives(device.type)
         return cls(rank=rank, world_size=world_size, gather_group=process_group,
                    reduce_group=reduce_group, gloo=host, global_ranks=tuple(ranks), device=device,
+                   owned_groups=tuple(owned),
                    _gather_fn=collective_function("all_gather_single", "all_gather_into_tensor"),
                    _reduce_scatter_fn=collective_function("reduce_scatter_single", "reduce_scatter_tensor"))
 
@@ -171,9 +186,35 @@ class Collectives:
     def distributed(self) -> bool:
         return self.world_size > 1
 
-    def _check_device(self, *tensors: torch.Tensor) -> None:
+    def close(self) -> None:
+        """Destroy the groups ``create`` made. Collective: every rank calls it, after its
+        last collective here has finished.
+
+        Each gloo group holds its own threads and sockets (3 threads and 5 descriptors per
+        group on torch 2.13), so a process that builds many runtimes (a sweep, a notebook, a
+        test run) grows by that much per runtime until it closes them. The barrier comes
+        first: a rank that destroys a group while its peer still finishes a broadcast on it
+        leaves the peer hanging. Groups over a subset of the world stay (see ``create``)."""
+        if self.closed:
+            return
+        self.closed = True
+        for group in self.owned_groups:
+            dist.barrier(group=group)
+            dist.destroy_process_group(group)
+        # the group's threads end only when the last Python reference to it goes
+        if self.gather_group in self.owned_groups:
+            self.gather_group = None
+        if self.reduce_group in self.owned_groups:
+            self.reduce_group = None
+        self.owned_groups = ()
+
+    def _check_usable(self, *tensors: torch.Tensor) -> None:
         """The groups carry ``self.device``'s tensors only; anything else is a runtime bug
-        that NCCL would report as a hang or an illegal memory access."""
+        that NCCL would report as a hang or an illegal memory access. Closed groups carry
+        nothing."""
+        if self.closed:
+            raise RuntimeError("this runtime was closed (ElixirModule.close()); its process groups "
+                               "are gone. Wrap the model in a new ElixirModule to train it again")
         for t in tensors:
             if t.device.type != self.device.type:
                 raise RuntimeError(
@@ -186,7 +227,7 @@ class Collectives:
         if not self.distributed:
             output.copy_(shard)
             return Work()
-        self._check_device(output, shard)
+        self._check_usable(output, shard)
         self.counter.collective("all_gather", output.numel() * output.element_size(), self.world_size)
         if self.gloo:  # gloo: one broadcast from each rank of its own shard
             n = shard.numel()
@@ -218,7 +259,7 @@ class Collectives:
         n = target.numel()
         if not self.distributed:
             return Work(None, then=lambda: _accumulate(target, full[:n], 1.0, self.counter))
-        self._check_device(full)
+        self._check_usable(full)
         if self.gloo:
             piece = full[self.rank * n : (self.rank + 1) * n]
             self.counter.collective("all_reduce", full.numel() * full.element_size(), self.world_size)
@@ -231,7 +272,7 @@ class Collectives:
                             then: Optional[Callable[[], object]] = None) -> Work:
         """Write this rank's slice of the mean of ``full`` over ranks into ``out`` (a device
         tensor of ``full``'s dtype) with the tensor collective; ``then`` runs once it is done."""
-        self._check_device(out, full)
+        self._check_usable(out, full)
         self.counter.collective("reduce_scatter", full.numel() * full.element_size(), self.world_size)
         handle = self._reduce_scatter_fn(out, full, op=dist.ReduceOp.AVG, group=self.reduce_group,
                                          async_op=async_op)
@@ -242,6 +283,7 @@ class Collectives:
         reduces only device tensors, so host tensors make a round trip through the compute
         device (the one the groups were made for, not whatever device happens to be current)."""
         if self.distributed:
+            self._check_usable()
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             self.counter.collective("all_reduce", tensor.numel() * tensor.element_size(), self.world_size)
             if tensor.device.type == self.device.type:
@@ -255,6 +297,7 @@ class Collectives:
     def broadcast_from_first(self, tensor: torch.Tensor) -> torch.Tensor:
         """Overwrite ``tensor`` with the group's first rank's copy (so all ranks start equal)."""
         if self.distributed:
+            self._check_usable()
             src = dist.get_global_rank(self.gather_group, 0)
             self.counter.collective("broadcast", tensor.numel() * tensor.element_size(), self.world_size,
                                     source=self.rank == 0)

@@ -353,6 +353,18 @@ class ElixirModule(nn.Module):
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
 
+    def close(self) -> None:
+        """Finish the gathers in flight and destroy the process groups this runtime made.
+        Collective: every rank calls it once training with this module is over.
+
+        Needed only by processes that build more than one runtime (a sweep over plans, a
+        notebook): each runtime's groups keep threads and sockets until closed, or until
+        ``torch.distributed.destroy_process_group()`` ends the whole group. A closed runtime
+        raises a clear error on its next collective (a forward, a step, a save), so save
+        before closing."""
+        self.drain()
+        self.comm.close()
+
     def release_all(self) -> None:
         """Drop every gathered chunk (called after an optimizer step changes the shards)."""
         self.fetcher.release_all()
