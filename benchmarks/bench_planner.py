@@ -17,8 +17,9 @@ every one of them for a few steps and records, per plan:
 - the measured rank of the chosen plan among the candidates that fit the budget.
 
 Budgets: "roomy" fits the fastest candidate; "tight" is just above the smallest candidate's
-peak; "medium" lies between them on the planner's selection chain. The hardware profile
-is this machine's calibration (``hf-elixir calibrate``; run first when none is cached).
+peak; "medium" lies between them on the planner's selection chain. Each model is planned
+with a calibration of this machine made just before its plans run (``hf-elixir
+calibrate``, about 45 s; ``--no-calibrate`` plans with the cached one instead).
 Results: benchmarks/results/bench_planner.json and bench_planner.png.
 """
 
@@ -359,23 +360,29 @@ def main() -> None:
     # the first step records the chunk trace; on a CPU the heap grows over two steps before
     # every allocation reuses kept memory (runtime/host_memory.py)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--calibrate", action="store_true", help="calibrate this machine first")
+    p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
+                   help="plan with the cached calibration instead of calibrating before each model")
     p.add_argument("--alternatives", type=int, default=3, help="runners-up per budget")
     p.add_argument("--spread", type=int, default=3, help="extra fitting candidates per budget")
     p.add_argument("--out", default=str(RESULTS / "bench_planner.json"))
     args = p.parse_args()
 
     torch.set_num_threads(1)
-    hw = hfe.HardwareProfile.calibrate() if args.calibrate else hfe.HardwareProfile.detect()
-    print(f"hardware: {hw.name}", flush=True)
-    entries = [e for m in args.models for e in plans_for(m, hw, args.alternatives, args.spread)]
-    print(f"{len(entries)} plans to run", flush=True)
     t0 = time.perf_counter()
-    # each model in fresh ranks: ranks that have run dozens of plans run the later ones
-    # measurably slower (Llama-60M after 34 plans: 1.3-2.2 s a step; fresh: 1.2-1.5 s)
-    rows = [r for m in args.models for r in run_all([e for e in entries if e["model"] == m], args)]
+    rows, hardware = [], {}
+    for m in args.models:
+        # calibrated minutes before its plans run: this VM's speed drifts by 10-30% over an
+        # hour (DDP's own GPT-2 30M step: 1.13 s one session, 1.33 s and 0.95 s the next),
+        # and a prediction can be no closer to a measurement than its calibration
+        hw = hfe.HardwareProfile.calibrate() if args.calibrate else hfe.HardwareProfile.detect()
+        entries = plans_for(m, hw, args.alternatives, args.spread)
+        print(f"{m}: {len(entries)} plans to run on {hw.name}", flush=True)
+        # each model in fresh ranks: ranks that have run dozens of plans run the later ones
+        # measurably slower (Llama-60M after 34 plans: 1.3-2.2 s a step; fresh: 1.2-1.5 s)
+        rows += run_all(entries, args)
+        hardware[m] = hw.to_dict() if hasattr(hw, "to_dict") else hw.name
     summary = summarise(rows)
-    summary["hardware"] = hw.to_dict() if hasattr(hw, "to_dict") else hw.name
+    summary["hardware"] = hardware
     summary["seconds"] = time.perf_counter() - t0
     for model, s in summary["models"].items():
         print(f"{model}: spearman {s['spearman_step_time']:.2f}, max |step error| "

@@ -210,32 +210,55 @@ def _by_size(points: dict[float, list[float]]) -> list[list[float]]:
     return [[f, statistics.mean(points[f])] for f in sorted(points)]
 
 
+#: operand bytes the matmul timings cycle through: more than a CPU's last-level cache (32 MiB
+#: on this VM) or a GPU's L2 (50-60 MiB on H100/H200), so every product reads its operands
+#: from memory as a layer in a model does. On hot operands (one product timed again and
+#: again) the narrow products of small models ran 15-30% faster than on cold ones, and the
+#: same products inside GPT-2 ran 1.4-1.75x slower than their hot-operand price.
+_COLD_BYTES = 96 * 2**20
+
+
+def _linear_products(t: int, k: int, n: int, device, dtype) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(a, b, out) of a linear layer's forward and backward products, in both weight
+    layouts, writing into existing outputs (writing fresh memory is priced apart)."""
+    x, g = torch.randn(t, k, device=device, dtype=dtype), torch.randn(t, n, device=device, dtype=dtype)
+    w_lin = torch.randn(n, k, device=device, dtype=dtype)   # nn.Linear: (out, in)
+    w_conv = torch.randn(k, n, device=device, dtype=dtype)  # Conv1D: (in, out)
+    out = lambda *shape: torch.zeros(*shape, device=device, dtype=dtype)  # noqa: E731 (pages touched)
+    return [(x, w_lin.t(), out(t, n)), (g, w_lin, out(t, k)), (g.t(), x, out(n, k)),
+            (x, w_conv, out(t, n)), (g, w_conv.t(), out(t, k)), (x.t(), g, out(k, n))]
+
+
 def _matmul_curves(device, dtype, sync, quick) -> tuple[list[list[float]], dict[str, list[list[float]]]]:
     """Rates of the matmuls of a linear layer's forward and backward, in both weight layouts
     Hugging Face models use (nn.Linear keeps W as (out, in), GPT-2's Conv1D as (in, out)),
-    by size and layout; and the rate of all of them together, by size."""
+    by size and layout; and the rate of all of them together, by size. Each is the median
+    pass over as many copies of its operands as fill ``_COLD_BYTES`` (cold operands)."""
     overall: dict[float, list[float]] = {}
     by_layout: dict[str, dict[float, list[float]]] = {}
     budget = 0.2 if quick else 0.5
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     for t, k, n in (_MM_SHAPES_QUICK if quick else _MM_SHAPES):
         flops = 2.0 * t * k * n
         if device.type == "cpu" and flops > (2e9 if quick else 2e10):
             continue
-        x, g = torch.randn(t, k, device=device, dtype=dtype), torch.randn(t, n, device=device, dtype=dtype)
-        w_lin = torch.randn(n, k, device=device, dtype=dtype)   # nn.Linear: (out, in)
-        w_conv = torch.randn(k, n, device=device, dtype=dtype)  # Conv1D: (in, out)
-        y, dx = torch.empty(t, n, **_like(x)), torch.empty(t, k, **_like(x))
-        dw_lin, dw_conv = torch.empty(n, k, **_like(x)), torch.empty(k, n, **_like(x))
-        # into existing outputs: writing fresh memory is priced apart
-        products = [(x, w_lin.t(), y), (g, w_lin, dx), (g.t(), x, dw_lin),
-                    (x, w_conv, y), (g, w_conv.t(), dx), (x.t(), g, dw_conv)]
+        per_copy = itemsize * (2 * t * k + 2 * t * n + 4 * n * k)
+        copies = max(1, min(64, _COLD_BYTES // per_copy))
+        sets = [_linear_products(t, k, n, device, dtype) for _ in range(copies)]
         total = 0.0
-        for a, b, out in products:
-            sec = best_time(lambda: torch.mm(a, b, out=out), repeat=3, sync=sync, budget=budget)
+        for j in range(len(sets[0])):
+            products = [products_of_copy[j] for products_of_copy in sets]
+
+            def one_pass():
+                for a, b, out in products:
+                    torch.mm(a, b, out=out)
+
+            sec = median_time(one_pass, repeat=3, sync=sync, budget=budget) / copies
             total += sec
-            layout = matmul_layout(torch.ops.aten.mm.default, (a, b))
+            layout = matmul_layout(torch.ops.aten.mm.default, products[0][:2])
             by_layout.setdefault(layout, {}).setdefault(flops, []).append(flops / sec)
-        overall.setdefault(flops, []).append(len(products) * flops / total)
+        overall.setdefault(flops, []).append(len(sets[0]) * flops / total)
+        del sets
     return _by_size(overall), {lay: _by_size(pts) for lay, pts in by_layout.items()}
 
 
