@@ -14,7 +14,9 @@ every one of them for a few steps and records, per plan:
   allocator hands out during one whole step (forward, backward, clipping, optimizer step),
   as the running sum of ``torch.profiler``'s memory events (the method
   ``tests/test_profile.py`` validates), plus the model's buffers;
-- the measured rank of the chosen plan among the candidates that fit the budget.
+- the measured rank of the chosen plan among the candidates that fit the budget;
+- before each plan, the plain model's forward and backward on both ranks (``reference_step``):
+  the machine's speed then, relative to its speed before the model's first plan.
 
 Budgets: "roomy" fits the fastest candidate; "tight" is just above the smallest candidate's
 peak; "medium" lies between them on the planner's selection chain. Each model is planned
@@ -208,19 +210,43 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
     return out
 
 
+def reference_step(model: torch.nn.Module) -> float:
+    """Median forward and backward of the plain model (no runtime, no communication) on every
+    rank at once: how fast this machine is right now. On a shared VM that speed drifts by
+    10-40% within minutes, so the planner's own error is the step error at the speed the
+    calibration saw, which this reference recovers (``summarise``)."""
+    from hf_elixir.calibrate import median_time
+
+    ids = torch.randint(0, model.config.vocab_size, BATCH, generator=torch.Generator().manual_seed(0))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    dist.barrier()
+    return median_time(step, repeat=3)
+
+
 def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one core per rank, as torchrun and accelerate launch set it
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    from hf_elixir.runtime.host_memory import keep_freed_host_memory
+
+    keep_freed_host_memory()  # as the first ElixirModule would: every reference runs alike
+    plain = {m: build(m) for m in dict.fromkeys(e["model"] for e in entries)}
     try:
+        for model in plain.values():  # fresh ranks: the first steps run slow (heap settling)
+            reference_step(model)
         for k, e in enumerate(entries):
-            res = run_plan(e, args.steps, args.warmup)
+            reference = reference_step(plain[e["model"]])
+            res = run_plan(e, args.steps, args.warmup) | {"reference_step_s": reference}
             if rank == 0:
                 pred = e["plan"]["predictions"]
                 print(f"[{k + 1}/{len(entries)}] {e['model']:10s} {e['budget']:6s} {e['role']:7s} "
                       f"step {res['measured_step_s']:.3f} s (pred {pred['step_time_s']:.3f}), "
                       f"peak {res['measured_peak_bytes'] / 2**20:.1f} MiB "
-                      f"(pred {pred['peak_bytes'] / 2**20:.1f})", flush=True)
+                      f"(pred {pred['peak_bytes'] / 2**20:.1f}), plain model {reference:.3f} s", flush=True)
                 queue.put((k, res))
     finally:
         dist.destroy_process_group()
@@ -274,15 +300,23 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def summarise(rows: list[dict]) -> dict:
+    """Per plan and per model. ``speed`` is the plain model's step before the plan over the
+    same before the model's first plan (ranks started a minute after the calibration):
+    above 1 the machine had slowed down. ``step_error_at_calibrated_speed`` divides that out;
+    the acceptance figures are the raw ones."""
     out: dict = {"plans": [], "models": {}}
+    first_reference: dict[str, float] = {}
     for r in rows:
         pred, meas = r["plan"]["predictions"], r["measured"]
+        speed = meas["reference_step_s"] / first_reference.setdefault(r["model"], meas["reference_step_s"])
         out["plans"].append({
             "model": r["model"], "budget": r["budget"], "role": r["role"],
             "reason": pred.get("reason", "chosen"),
             "fits": pred["peak_bytes"] <= r["budget_bytes"],
             "predicted_step_s": pred["step_time_s"], "measured_step_s": meas["measured_step_s"],
             "step_error": pred["step_time_s"] / meas["measured_step_s"] - 1,
+            "reference_step_s": meas["reference_step_s"], "speed": speed,
+            "step_error_at_calibrated_speed": pred["step_time_s"] * speed / meas["measured_step_s"] - 1,
             "predicted_peak_bytes": pred["peak_bytes"], "measured_peak_bytes": meas["measured_peak_bytes"],
             "peak_error": pred["peak_bytes"] / meas["measured_peak_bytes"] - 1,
             "config": {k: r["plan"][k] for k in ("chunk_size", "rcache_blocks", "activation_checkpointing",
@@ -311,6 +345,10 @@ def summarise(rows: list[dict]) -> dict:
             "spearman_step_time": spearman([p["predicted_step_s"] for p in uniq],
                                            [p["measured_step_s"] for p in uniq]),
             "max_abs_step_error": max(abs(p["step_error"]) for p in mine),
+            "spearman_at_calibrated_speed": spearman([p["predicted_step_s"] for p in uniq],
+                                                     [p["measured_step_s"] / p["speed"] for p in uniq]),
+            "max_abs_step_error_at_calibrated_speed": max(abs(p["step_error_at_calibrated_speed"]) for p in mine),
+            "speed_range": [min(p["speed"] for p in mine), max(p["speed"] for p in mine)],
             "max_abs_peak_error": max(abs(p["peak_error"]) for p in mine),
             "budgets": per_budget,
         }
@@ -386,7 +424,10 @@ def main() -> None:
     summary["seconds"] = time.perf_counter() - t0
     for model, s in summary["models"].items():
         print(f"{model}: spearman {s['spearman_step_time']:.2f}, max |step error| "
-              f"{s['max_abs_step_error']:.0%}, max |peak error| {s['max_abs_peak_error']:.0%}")
+              f"{s['max_abs_step_error']:.0%}, max |peak error| {s['max_abs_peak_error']:.0%}; "
+              f"machine speed {s['speed_range'][0]:.2f}-{s['speed_range'][1]:.2f} of its first, at that "
+              f"speed: spearman {s['spearman_at_calibrated_speed']:.2f}, max |step error| "
+              f"{s['max_abs_step_error_at_calibrated_speed']:.0%}")
         for b, v in s["budgets"].items():
             print(f"   {b:6s} chosen/best fitting {v['chosen_vs_best_fitting']:.3f} "
                   f"(rank {v['chosen_measured_rank']} of {v['fitting_candidates']})")
