@@ -396,6 +396,16 @@ def test_a_backward_that_raises_leaves_the_runtime_usable() -> None:
     assert_state_close(ref.state_dict(), em.state_dict(), label="after a failed backward")
 
 
+def _one_step(world_size: int, ids: torch.Tensor) -> tuple[torch.nn.Module, "hfe.ElixirModule"]:
+    """A tiny GPT-2 wrapped by a fresh runtime, one training step taken."""
+    model = make_model("gpt2")
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096))
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    opt.backward(em(input_ids=ids, labels=ids).loss)
+    opt.step()
+    return model, em
+
+
 def test_a_dropped_model_is_freed() -> None:
     """Gradient hooks live on the parameters, where the garbage collector cannot see
     through them; they must not keep the runtime, and with it the model, alive."""
@@ -403,12 +413,7 @@ def test_a_dropped_model_is_freed() -> None:
     import weakref
 
     def train_once():
-        model = make_model("gpt2")
-        em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096))
-        eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
-        ids = make_batch(2, 8)
-        eopt.backward(em(input_ids=ids, labels=ids).loss)
-        eopt.step()
+        model, em = _one_step(1, make_batch(2, 8))
         return weakref.ref(model), weakref.ref(em)
 
     model_ref, em_ref = train_once()
@@ -424,12 +429,7 @@ def _open_handles() -> tuple[int, int]:
 
 
 def _train_once(close: bool) -> "hfe.ElixirModule":
-    model = make_model("gpt2")
-    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 2, chunk_size=4096))
-    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-3))
-    ids = make_batch(4, 16)
-    opt.backward(em(input_ids=ids, labels=ids).loss)
-    opt.step()
+    _, em = _one_step(2, make_batch(4, 16))
     if close:
         em.close()
     return em
