@@ -237,14 +237,15 @@ def _matmul_curves(device, dtype, sync, quick) -> tuple[list[list[float]], dict[
     overall: dict[float, list[float]] = {}
     by_layout: dict[str, dict[float, list[float]]] = {}
     budget = 0.2 if quick else 0.5
-    itemsize = torch.empty(0, dtype=dtype).element_size()
     for t, k, n in (_MM_SHAPES_QUICK if quick else _MM_SHAPES):
         flops = 2.0 * t * k * n
         if device.type == "cpu" and flops > (2e9 if quick else 2e10):
             continue
-        per_copy = itemsize * (2 * t * k + 2 * t * n + 4 * n * k)
+        first = _linear_products(t, k, n, device, dtype)
+        per_copy = sum({st.data_ptr(): st.nbytes() for a, b, out in first for st in
+                        (a.untyped_storage(), b.untyped_storage(), out.untyped_storage())}.values())
         copies = max(1, min(64, _COLD_BYTES // per_copy))
-        sets = [_linear_products(t, k, n, device, dtype) for _ in range(copies)]
+        sets = [first] + [_linear_products(t, k, n, device, dtype) for _ in range(copies - 1)]
         total = 0.0
         for j in range(len(sets[0])):
             products = [products_of_copy[j] for products_of_copy in sets]
@@ -260,10 +261,6 @@ def _matmul_curves(device, dtype, sync, quick) -> tuple[list[list[float]], dict[
         overall.setdefault(flops, []).append(len(sets[0]) * flops / total)
         del sets
     return _by_size(overall), {lay: _by_size(pts) for lay, pts in by_layout.items()}
-
-
-def _like(t: torch.Tensor) -> dict:
-    return {"device": t.device, "dtype": t.dtype}
 
 
 def _op_overhead(device, sync) -> float:

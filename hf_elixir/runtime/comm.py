@@ -193,8 +193,8 @@ class Collectives:
         Each gloo group holds its own threads and sockets (3 threads and 5 descriptors per
         group on torch 2.13), so a process that builds many runtimes (a sweep, a notebook, a
         test run) grows by that much per runtime until it closes them. The barrier comes
-        first: a rank that destroys a group while its peer still finishes a broadcast on it
-        leaves the peer hanging. Groups over a subset of the world stay (see ``create``)."""
+        first: without it, destroying hung in a two-rank probe after two or three groups.
+        Groups over a subset of the world stay (see ``create``)."""
         if self.closed:
             return
         self.closed = True
