@@ -55,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from bench_step import MODELS, RESULTS, launch, plain_step, pyplot, setup_elixir
+from bench_step import MODELS, RESULTS, blocks_of, launch, plain_step, pyplot, setup_elixir
 
 OFFLOADED = ["hf_elixir_offload", "hf_elixir_offload_half", "fsdp2_offload", "deepspeed_offload"]
 ORDER = ["fsdp2_offload", "hf_elixir_offload", "hf_elixir_offload_half", "deepspeed_offload",
@@ -79,7 +79,7 @@ def setup_fsdp2(model, offload: bool):
 
     # pinning needs an accelerator; on CPU the offloaded shards are plain host memory
     policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
-    for block in model.transformer.h:
+    for block in blocks_of(model):
         fully_shard(block, offload_policy=policy)
     fully_shard(model, offload_policy=policy)
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=LR, fused=True)), {}
@@ -205,7 +205,7 @@ def plot(summary: dict, path: Path) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=["gpt2-30m", "gpt2-124m"], choices=list(MODELS))
     p.add_argument("--systems", nargs="+", default=ORDER, choices=ORDER)
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=4)

@@ -1,9 +1,10 @@
 """Training-step time of hf_elixir against plain DDP and FSDP2, in one run.
 
-    python benchmarks/bench_step.py                       # both GPT-2 sizes, world size 2
+    python benchmarks/bench_step.py                       # three models, world size 2
     python benchmarks/bench_step.py --models gpt2-30m --steps 3
 
-Every system trains the same GPT-2 (same seed, same data) on CPU over gloo: global batch 4,
+Every system trains the same model (same seed, same data; bench_planner's GPT-2 30M, GPT-2
+124M and Llama-style 60M) on CPU over gloo: global batch 4,
 sequence 128, fp32, AdamW (the fused kernel for all three, so the optimizer
 implementation is not what is compared), clipping at 1.0. After the warm-up steps the
 median of the timed steps is reported with each system's ratio to DDP, and the losses of
@@ -21,6 +22,14 @@ active in the timed steps (it costs Python time per op). Two hf_elixir rows:
   than gloo's reduce-scatter, twice the bytes; see runtime/comm.py).
 - ``hf_elixir_tensor``: HF_ELIXIR_COLLECTIVES=tensor, the collectives NCCL runs on a GPU
   (all-gather, reduce-scatter): the bytes hf_elixir moves with NCCL.
+
+Two FSDP2 rows. ``fsdp2`` wraps each block and the root, as FSDP2 is usually applied; the
+root's own parameters stay gathered from forward into backward, so FSDP2 moves them in one
+all-gather, not two. ``fsdp2_reshard_all`` also wraps the input embedding and an untied
+head, so that every parameter but the final norm is gathered twice a step (GPT-2's tied
+head cannot be split from its embedding: there it wraps as ``fsdp2`` does). Each FSDP2
+row records ``root_param_share`` s and the best ratio hf_elixir can reach against it,
+2 / (3 - s): one all-gather and one reduce-scatter against two all-gathers and one.
 
 The hf_elixir rows also carry the runtime's own counter and the planner's prediction.
 
@@ -41,28 +50,24 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from queue import Empty
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+
+# the models bench_planner plans (same configs, same seed): GPT-2 ties its head to the
+# input embedding, the Llama-style model does not
+from bench_planner import MODELS, build
 
 RESULTS = Path(__file__).resolve().parent / "results"
-MODELS = {
-    "gpt2-30m": dict(n_layer=6, n_embd=384, n_head=6),
-    "gpt2-124m": dict(n_layer=12, n_embd=768, n_head=12),
-}
-
-
-def build(name: str):
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    cfg = GPT2Config(**MODELS[name], n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(cfg)
-    model.config.use_cache = False
-    return model
+def blocks_of(model: nn.Module) -> nn.ModuleList:
+    """The transformer's list of layers (the largest ModuleList)."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
 def batch_for(rank: int, world: int, step: int, global_batch: int, seq: int, vocab: int) -> torch.Tensor:
@@ -109,12 +114,46 @@ def setup_ddp(model):
 
 
 def setup_fsdp2(model):
+    """FSDP2 as it is usually applied: each block, then the root. The root's own parameters
+    (GPT-2's tied embedding; Llama's embedding, head and final norm) stay gathered from
+    forward into backward: FSDP2 does not reshard the root after forward."""
     from torch.distributed.fsdp import fully_shard
 
-    for block in model.transformer.h:
+    for block in blocks_of(model):
         fully_shard(block)
     fully_shard(model)
-    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), {}
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), _root_share(model)
+
+
+def setup_fsdp2_reshard_all(model):
+    """FSDP2 with the input embedding and an untied head sharded as modules of their own, so
+    that FSDP2 reshards them after forward and gathers them again in backward, as it does the
+    blocks. A tied head cannot be split from its embedding (both must stay in one FSDP
+    module), so for GPT-2 this is the same wrapping as ``fsdp2``."""
+    from torch.distributed.fsdp import fully_shard
+
+    emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
+    tied = emb_out is not None and emb_out.weight is emb_in.weight
+    if not tied:
+        fully_shard(emb_in)
+    for block in blocks_of(model):
+        fully_shard(block)
+    if not tied and emb_out is not None:
+        fully_shard(emb_out)
+    fully_shard(model)
+    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), _root_share(model)
+
+
+def _root_share(model) -> Callable[[], dict]:
+    """The share of the parameters FSDP2 keeps gathered between forward and backward (those
+    of the root's own group). Per step FSDP2 then moves 3 - s all-gather/reduce-scatter
+    units and hf_elixir with every chunk cached 2, so the best ratio is 2 / (3 - s)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    inner = {id(p) for m in model.modules() if m is not model and isinstance(m, FSDPModule) for p in m.parameters()}
+    params = list(model.parameters())
+    share = sum(p.numel() for p in params if id(p) not in inner) / sum(p.numel() for p in params)
+    return lambda: {"root_param_share": share, "best_bytes_ratio": 2 / (3 - share)}
 
 
 def setup_elixir(model, tensor_collectives: bool = False, **plan_kwargs):
@@ -163,8 +202,8 @@ def setup_elixir_tensor(model):
 
 PACK_SIZE = 2_000_000
 
-SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "hf_elixir": setup_elixir,
-           "hf_elixir_tensor": setup_elixir_tensor}
+SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_reshard_all": setup_fsdp2_reshard_all,
+           "hf_elixir": setup_elixir, "hf_elixir_tensor": setup_elixir_tensor}
 
 
 def run_system(name: str, model_name: str, args, systems: dict | None = None) -> dict:
@@ -250,16 +289,20 @@ def summarise(results: dict, args) -> dict:
                 "losses_match": all(abs(a - b) <= 1e-4 * abs(a) for a, b in zip(ref_losses, res["losses"][:2])),
             }
             for key in ("n_chunks", "chunk_size", "rcache_blocks", "peak_device_bytes", "cache_stats",
-                        "bytes_per_step", "runtime_bytes_per_step", "predicted_bytes_per_step"):
+                        "bytes_per_step", "runtime_bytes_per_step", "predicted_bytes_per_step",
+                        "root_param_share", "best_bytes_ratio"):
                 if key in res:
                     rows[system][key] = res[key]
-        if "fsdp2" in rows:
-            fsdp2 = rows["fsdp2"]
+        for base_name in ("fsdp2", "fsdp2_reshard_all"):
+            if base_name not in rows:
+                continue
+            base_row = rows[base_name]
+            suffix = "" if base_name == "fsdp2" else "_reshard_all"
             for name in ("hf_elixir", "hf_elixir_tensor"):
                 if name in rows:
-                    rows[name]["ratio_to_fsdp2"] = rows[name]["median_step_s"] / fsdp2["median_step_s"]
-                    rows[name]["bytes_ratio_to_fsdp2"] = (rows[name]["bytes_per_step"]["total"]
-                                                         / fsdp2["bytes_per_step"]["total"])
+                    rows[name][f"ratio_to_fsdp2{suffix}"] = rows[name]["median_step_s"] / base_row["median_step_s"]
+                    rows[name][f"bytes_ratio_to_fsdp2{suffix}"] = (rows[name]["bytes_per_step"]["total"]
+                                                                  / base_row["bytes_per_step"]["total"])
         summary[model_name] = rows
     return summary
 
@@ -284,7 +327,7 @@ def plot(summary: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
     for ax, (model_name, rows) in zip(axes[0], summary.items()):
         names = list(rows)
-        ax.bar(names, [rows[n]["median_step_s"] for n in names], color=["#888", "#c66", "#4a7", "#7a4"][: len(names)])
+        ax.bar(names, [rows[n]["median_step_s"] for n in names], color=["#888", "#c66", "#e99", "#4a7", "#7a4"][: len(names)])
         ax.set_title(f"{model_name}: median step (s)")
         for i, n in enumerate(names):
             r = rows[n]["ratio_to_ddp"]
@@ -369,14 +412,16 @@ def main() -> None:
 def print_bytes(summary: dict) -> None:
     """Bytes per step each rank receives, by kind (the WireCounter's convention)."""
     kinds = ("all_gather", "broadcast", "reduce_scatter", "all_reduce")
-    print(f"\nbytes per step per rank (MB): {'model':10s} {'system':16s} "
-          + " ".join(f"{k:>14s}" for k in kinds) + f" {'total':>9s} {'xFSDP2':>7s}")
+    print(f"\nbytes per step per rank (MB): {'model':10s} {'system':17s} "
+          + " ".join(f"{k:>14s}" for k in kinds) + f" {'total':>9s} {'xFSDP2':>7s} {'xFSDP2_all':>10s} {'best':>5s}")
     for model_name, rows in summary.items():
         for system, row in rows.items():
             b = row["bytes_per_step"]
-            xf = row.get("bytes_ratio_to_fsdp2")
-            print(f"{'':29s}{model_name:10s} {system:16s} " + " ".join(f"{b[k] / 1e6:14.2f}" for k in kinds)
-                  + f" {b['total'] / 1e6:9.2f} {'' if xf is None else f'{xf:7.2f}'}")
+            ratios = [row.get("bytes_ratio_to_fsdp2"), row.get("bytes_ratio_to_fsdp2_reshard_all")]
+            best = row.get("best_bytes_ratio")
+            print(f"{'':29s}{model_name:10s} {system:17s} " + " ".join(f"{b[k] / 1e6:14.2f}" for k in kinds)
+                  + f" {b['total'] / 1e6:9.2f} " + " ".join("" if r is None else f"{r:7.3f}" for r in ratios)
+                  + ("" if best is None else f" (hf_elixir's best against this: {best:.3f})"))
     print("hf_elixir: gloo's strategy (gathers as broadcasts, gradients all-reduced); "
           "hf_elixir_tensor: the all-gather/reduce-scatter NCCL runs")
 

@@ -35,7 +35,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from bench_step import elixir_step, plain_step
+from bench_step import blocks_of, elixir_step, plain_step
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent / "tests"
@@ -101,12 +101,6 @@ def build_model(spec: dict, dtype: torch.dtype) -> nn.Module:
             module._parameters[name] = made[id(p)]
     model.tie_weights()  # on the meta device the tie (GPT-2's wte and lm_head) was not made yet
     return model
-
-
-def blocks_of(model: nn.Module) -> nn.ModuleList:
-    """The transformer's list of layers (the largest ModuleList)."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
 
 
 def enable_checkpointing(model: nn.Module) -> None:
