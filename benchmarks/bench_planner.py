@@ -1,22 +1,28 @@
 """How good are the planner's predictions? Every plan it compares, run for real.
 
     python benchmarks/bench_planner.py                     # three models, three budgets each
-    python benchmarks/bench_planner.py --models gpt2-30m --steps 2
+    python benchmarks/bench_planner.py --models gpt2-30m --rounds 1
 
 For GPT-2 30M, GPT-2 124M and a Llama-style model (fp32, AdamW, clipping at 1.0, batch
 2 x 128 per rank, world size 2 on CPU over gloo), and three memory budgets each, the
 planner chooses a plan and names its runners-up (``plan.alternatives``); this script runs
-every one of them for a few steps and records, per plan:
+every one of them and records, per plan:
 
-- predicted and measured step time (median of the timed steps, both ranks in lock-step);
+- predicted and measured step time. The distinct plans of a model run in rounds (three by
+  default), forward, then backward, then forward again, each time in a fresh runtime for a
+  few steps; the measurement is the median of all its timed steps (both ranks in
+  lock-step). This VM's speed drifts by 10-40% within minutes; in one pass over the plans
+  that drift fell on whichever plans ran late and decided the order of near-ties, while
+  alternating rounds spread it over every plan. A plan that is a candidate under several
+  budgets is run once and its measurement shared.
 - predicted and measured peak memory per rank: the runtime's own ledger (parameter shards,
   optimizer state, gradient shards held before the step) plus everything PyTorch's CPU
   allocator hands out during one whole step (forward, backward, clipping, optimizer step),
   as the running sum of ``torch.profiler``'s memory events (the method
   ``tests/test_profile.py`` validates), plus the model's buffers;
 - the measured rank of the chosen plan among the candidates that fit the budget;
-- before each plan, the plain model's forward and backward on both ranks (``reference_step``):
-  the machine's speed then, relative to its speed before the model's first plan.
+- before each round, the plain model's forward and backward on both ranks (``reference_step``):
+  the machine's speed then, relative to the first round.
 
 Budgets: "roomy" fits the fastest candidate; "tight" is just above the smallest candidate's
 peak; "medium" lies between them on the planner's selection chain. Each model is planned
@@ -164,7 +170,9 @@ def allocator_peak(warm, fn) -> int:
     return max(itertools.accumulate(inside, initial=before)) - before
 
 
-def run_plan(entry: dict, steps: int, warmup: int) -> dict:
+def run_plan(entry: dict, steps: int, warmup: int, measure_memory: bool) -> dict:
+    """Wrap a fresh model in the entry's plan, train warmup + steps timed steps, and (with
+    ``measure_memory``) two more to measure the peak; then close the runtime."""
     import hf_elixir as hfe
 
     rank = dist.get_rank()
@@ -194,16 +202,15 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
         if i >= warmup:
             times.append(time.perf_counter() - t0)
         losses.append(float(loss.detach()))
-    # memory: what the runtime holds before a step plus what the allocator gives out in it
-    held = em.memory_report()["current_total"]
-    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
-    dist.barrier()
-    during = allocator_peak(lambda: step(warmup + steps), lambda: step(warmup + steps + 1))
-    dist.barrier()
-    out = {"step_times_s": times, "measured_step_s": statistics.median(times),
-           "measured_peak_bytes": held + buffers + during, "held_bytes": held,
-           "step_allocations_peak": during, "losses": losses,
-           "cache_stats": em.memory_report()["cache_stats"]}
+    out = {"step_times_s": times, "losses": losses, "cache_stats": em.memory_report()["cache_stats"]}
+    if measure_memory:  # what the runtime holds before a step plus what the allocator gives out in it
+        held = em.memory_report()["current_total"]
+        buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+        dist.barrier()
+        during = allocator_peak(lambda: step(warmup + steps), lambda: step(warmup + steps + 1))
+        dist.barrier()
+        out |= {"measured_peak_bytes": held + buffers + during, "held_bytes": held,
+                "step_allocations_peak": during}
     em.close()  # waits for the next pass's prefetched gathers, gives back its process groups
     del em, opt, model
     gc.collect()
@@ -212,9 +219,8 @@ def run_plan(entry: dict, steps: int, warmup: int) -> dict:
 
 def reference_step(model: torch.nn.Module) -> float:
     """Median forward and backward of the plain model (no runtime, no communication) on every
-    rank at once: how fast this machine is right now. On a shared VM that speed drifts by
-    10-40% within minutes, so the planner's own error is the step error at the speed the
-    calibration saw, which this reference recovers (``summarise``)."""
+    rank at once: how fast this machine is right now. Taken before each round, it records how
+    far the machine drifted while the plans ran (``speed_by_round``)."""
     from hf_elixir.calibrate import median_time
 
     ids = torch.randint(0, model.config.vocab_size, BATCH, generator=torch.Generator().manual_seed(0))
@@ -227,7 +233,17 @@ def reference_step(model: torch.nn.Module) -> float:
     return median_time(step, repeat=3)
 
 
+def plan_key(entry: dict) -> str:
+    """Entries that run the same plan (one plan can be a candidate under several budgets)."""
+    plan = {k: v for k, v in entry["plan"].items() if k != "predictions"}
+    return entry["model"] + json.dumps(plan, sort_keys=True)
+
+
 def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
+    """Run every distinct plan of the entries once per round, in rounds of alternating order
+    (forward, backward, forward...): a drift of the machine's speed over the run then falls
+    on early and late plans alike instead of on whichever plans ran last. Each plan's timed
+    steps from all rounds are pooled; its memory is measured in the first round."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one core per rank, as torchrun and accelerate launch set it
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -235,19 +251,31 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
 
     keep_freed_host_memory()  # as the first ElixirModule would: every reference runs alike
     plain = {m: build(m) for m in dict.fromkeys(e["model"] for e in entries)}
+    distinct = {plan_key(e): e for e in reversed(entries)}  # the first entry of each plan
+    order = [k for k in dict.fromkeys(plan_key(e) for e in entries)]
+    results: dict[str, dict] = {}
     try:
         for model in plain.values():  # fresh ranks: the first steps run slow (heap settling)
             reference_step(model)
-        for k, e in enumerate(entries):
-            reference = reference_step(plain[e["model"]])
-            res = run_plan(e, args.steps, args.warmup) | {"reference_step_s": reference}
-            if rank == 0:
-                pred = e["plan"]["predictions"]
-                print(f"[{k + 1}/{len(entries)}] {e['model']:10s} {e['budget']:6s} {e['role']:7s} "
-                      f"step {res['measured_step_s']:.3f} s (pred {pred['step_time_s']:.3f}), "
-                      f"peak {res['measured_peak_bytes'] / 2**20:.1f} MiB "
-                      f"(pred {pred['peak_bytes'] / 2**20:.1f}), plain model {reference:.3f} s", flush=True)
-                queue.put((k, res))
+        for r in range(args.rounds):
+            references = {m: reference_step(model) for m, model in plain.items()}
+            for j, key in enumerate(order if r % 2 == 0 else order[::-1]):
+                e = distinct[key]
+                res = run_plan(e, args.steps, args.warmup, measure_memory=r == 0)
+                got = results.setdefault(key, res | {"round_step_times_s": [], "reference_step_s": []})
+                got["round_step_times_s"].append(res["step_times_s"])
+                got["reference_step_s"].append(references[e["model"]])
+                if rank == 0:
+                    pred = e["plan"]["predictions"]
+                    times = [t for rt in got["round_step_times_s"] for t in rt]
+                    print(f"[round {r + 1}/{args.rounds}, {j + 1}/{len(order)}] {e['model']:10s} "
+                          f"pred {pred['step_time_s']:.3f} s: this round {statistics.median(res['step_times_s']):.3f} s, "
+                          f"all rounds {statistics.median(times):.3f} s, plain model {references[e['model']]:.3f} s",
+                          flush=True)
+        if rank == 0:
+            for key, got in results.items():
+                times = [t for rt in got["round_step_times_s"] for t in rt]
+                queue.put((key, got | {"step_times_s": times, "measured_step_s": statistics.median(times)}))
     finally:
         dist.destroy_process_group()
 
@@ -266,8 +294,9 @@ def run_all(entries: list[dict], args) -> list[dict]:
     with spawning_cpu_ranks():  # as hf-elixir launch starts CPU ranks
         for p in procs:
             p.start()
-    got: dict[int, dict] = {}
-    while len(got) < len(entries):
+    keys = set(plan_key(e) for e in entries)
+    got: dict[str, dict] = {}
+    while len(got) < len(keys):
         try:
             k, res = queue.get(timeout=5)
             got[k] = res
@@ -278,7 +307,7 @@ def run_all(entries: list[dict], args) -> list[dict]:
                 sys.exit("a rank failed; see its traceback above")
     for p in procs:
         p.join()
-    return [dict(e, measured=got[k]) for k, e in enumerate(entries)]
+    return [dict(e, measured=got[plan_key(e)]) for e in entries]
 
 
 # ---------------------------------------------------------------------- analysis
@@ -300,23 +329,20 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
 
 def summarise(rows: list[dict]) -> dict:
-    """Per plan and per model. ``speed`` is the plain model's step before the plan over the
-    same before the model's first plan (ranks started a minute after the calibration):
-    above 1 the machine had slowed down. ``step_error_at_calibrated_speed`` divides that out;
-    the acceptance figures are the raw ones."""
+    """Per plan and per model. A plan's measured step is the median of its timed steps from
+    every round; ``round_medians_s`` shows how much one round's measurement alone moved.
+    ``speed_by_round`` is the plain model's step before each round over the first round's:
+    above 1 the machine had slowed down."""
     out: dict = {"plans": [], "models": {}}
-    first_reference: dict[str, float] = {}
     for r in rows:
         pred, meas = r["plan"]["predictions"], r["measured"]
-        speed = meas["reference_step_s"] / first_reference.setdefault(r["model"], meas["reference_step_s"])
         out["plans"].append({
             "model": r["model"], "budget": r["budget"], "role": r["role"],
             "reason": pred.get("reason", "chosen"),
             "fits": pred["peak_bytes"] <= r["budget_bytes"],
             "predicted_step_s": pred["step_time_s"], "measured_step_s": meas["measured_step_s"],
             "step_error": pred["step_time_s"] / meas["measured_step_s"] - 1,
-            "reference_step_s": meas["reference_step_s"], "speed": speed,
-            "step_error_at_calibrated_speed": pred["step_time_s"] * speed / meas["measured_step_s"] - 1,
+            "round_medians_s": [statistics.median(t) for t in meas["round_step_times_s"]],
             "predicted_peak_bytes": pred["peak_bytes"], "measured_peak_bytes": meas["measured_peak_bytes"],
             "peak_error": pred["peak_bytes"] / meas["measured_peak_bytes"] - 1,
             "config": {k: r["plan"][k] for k in ("chunk_size", "rcache_blocks", "activation_checkpointing",
@@ -325,13 +351,14 @@ def summarise(rows: list[dict]) -> dict:
                "param_offload_chunks": sum(c["param_placement"] == "cpu" for c in r["plan"]["chunks"]),
                "n_chunks": len(r["plan"]["chunks"])},
             "predicted_time": pred["time"], "predicted_memory": pred["memory"],
-            "measured_detail": {k: meas[k] for k in ("step_times_s", "held_bytes", "step_allocations_peak",
-                                                      "cache_stats")},
+            "measured_detail": {k: meas[k] for k in ("round_step_times_s", "held_bytes", "step_allocations_peak",
+                                                      "cache_stats", "reference_step_s")},
         })
     for model in dict.fromkeys(p["model"] for p in out["plans"]):
         mine = [p for p in out["plans"] if p["model"] == model]
         # one point per distinct plan (a plan can be a candidate under several budgets)
         uniq = {json.dumps(p["config"], sort_keys=True): p for p in mine}.values()
+        refs = mine[0]["measured_detail"]["reference_step_s"]  # one per round, alike for every plan
         per_budget = {}
         for b in dict.fromkeys(p["budget"] for p in mine):
             rows_b = [p for p in mine if p["budget"] == b]
@@ -345,10 +372,7 @@ def summarise(rows: list[dict]) -> dict:
             "spearman_step_time": spearman([p["predicted_step_s"] for p in uniq],
                                            [p["measured_step_s"] for p in uniq]),
             "max_abs_step_error": max(abs(p["step_error"]) for p in mine),
-            "spearman_at_calibrated_speed": spearman([p["predicted_step_s"] for p in uniq],
-                                                     [p["measured_step_s"] / p["speed"] for p in uniq]),
-            "max_abs_step_error_at_calibrated_speed": max(abs(p["step_error_at_calibrated_speed"]) for p in mine),
-            "speed_range": [min(p["speed"] for p in mine), max(p["speed"] for p in mine)],
+            "speed_by_round": [ref / refs[0] for ref in refs],
             "max_abs_peak_error": max(abs(p["peak_error"]) for p in mine),
             "budgets": per_budget,
         }
@@ -394,10 +418,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=3, help="passes over the plans, in alternating order")
+    p.add_argument("--steps", type=int, default=2, help="timed steps per plan and round")
     # the first step records the chunk trace; on a CPU the heap grows over two steps before
     # every allocation reuses kept memory (runtime/host_memory.py)
-    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per plan and round")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="plan with the cached calibration instead of calibrating before each model")
     p.add_argument("--alternatives", type=int, default=3, help="runners-up per budget")
@@ -425,9 +450,7 @@ def main() -> None:
     for model, s in summary["models"].items():
         print(f"{model}: spearman {s['spearman_step_time']:.2f}, max |step error| "
               f"{s['max_abs_step_error']:.0%}, max |peak error| {s['max_abs_peak_error']:.0%}; "
-              f"machine speed {s['speed_range'][0]:.2f}-{s['speed_range'][1]:.2f} of its first, at that "
-              f"speed: spearman {s['spearman_at_calibrated_speed']:.2f}, max |step error| "
-              f"{s['max_abs_step_error_at_calibrated_speed']:.0%}")
+              f"plain model's step by round: {', '.join(f'{v:.2f}' for v in s['speed_by_round'])} of the first")
         for b, v in s["budgets"].items():
             print(f"   {b:6s} chosen/best fitting {v['chosen_vs_best_fitting']:.3f} "
                   f"(rank {v['chosen_measured_rank']} of {v['fitting_candidates']})")
