@@ -236,6 +236,11 @@ def reference_step(model: torch.nn.Module) -> float:
     return median_time(step, repeat=3)
 
 
+def fits(entry: dict) -> bool:
+    """Whether the entry's plan is predicted to fit the entry's budget."""
+    return entry["plan"]["predictions"]["peak_bytes"] <= entry["budget_bytes"]
+
+
 def plan_key(entry: dict) -> str:
     """Entries that run the same plan (one plan can be a candidate under several budgets)."""
     plan = {k: v for k, v in entry["plan"].items() if k != "predictions"}
@@ -254,8 +259,10 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
 
     keep_freed_host_memory()  # as the first ElixirModule would: every reference runs alike
     plain = {m: build(m) for m in dict.fromkeys(e["model"] for e in entries)}
-    distinct = {plan_key(e): e for e in reversed(entries)}  # the first entry of each plan
-    order = [k for k in dict.fromkeys(plan_key(e) for e in entries)]
+    distinct: dict[str, dict] = {}  # the first entry of each plan, in the entries' order
+    for e in entries:
+        distinct.setdefault(plan_key(e), e)
+    order = list(distinct)
     results: dict[str, dict] = {}
     try:
         for model in plain.values():  # fresh ranks: the first steps run slow (heap settling)
@@ -312,7 +319,7 @@ def contested(entries: list[dict], results: dict[str, dict]) -> list[tuple[str, 
     for budget in dict.fromkeys(e["budget"] for e in entries):
         rows = [e for e in entries if e["budget"] == budget]  # the chosen plan comes first
         chosen = plan_key(rows[0])
-        fit = [plan_key(e) for e in rows if e["plan"]["predictions"]["peak_bytes"] <= e["budget_bytes"]]
+        fit = [plan_key(e) for e in rows if fits(e)]
         best = min(fit, key=lambda k: _median(results[k]))
         if best != chosen and (chosen, best) not in pairs:
             pairs.append((chosen, best))
@@ -378,7 +385,7 @@ def summarise(rows: list[dict]) -> dict:
         out["plans"].append({
             "model": r["model"], "budget": r["budget"], "role": r["role"],
             "reason": pred.get("reason", "chosen"),
-            "fits": pred["peak_bytes"] <= r["budget_bytes"],
+            "fits": fits(r),
             "predicted_step_s": pred["step_time_s"], "measured_step_s": meas["measured_step_s"],
             "step_error": pred["step_time_s"] / meas["measured_step_s"] - 1,
             "round_medians_s": [statistics.median(t) for t in meas["round_step_times_s"]],
@@ -397,7 +404,7 @@ def summarise(rows: list[dict]) -> dict:
     for model in dict.fromkeys(p["model"] for p in out["plans"]):
         mine = [p for p in out["plans"] if p["model"] == model]
         # one point per distinct plan (a plan can be a candidate under several budgets)
-        uniq = {json.dumps(p["config"], sort_keys=True): p for p in mine}.values()
+        uniq = {plan_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values()
         refs = mine[0]["measured_detail"]["reference_step_s"]  # one per round, alike for every plan
         per_budget = {}
         for b in dict.fromkeys(p["budget"] for p in mine):

@@ -64,6 +64,8 @@ from torch import nn
 from bench_planner import MODELS, build
 
 RESULTS = Path(__file__).resolve().parent / "results"
+
+
 def blocks_of(model: nn.Module) -> nn.ModuleList:
     """The transformer's list of layers (the largest ModuleList)."""
     lists = [m for m in model.modules() if isinstance(m, nn.ModuleList)]
@@ -117,12 +119,7 @@ def setup_fsdp2(model):
     """FSDP2 as it is usually applied: each block, then the root. The root's own parameters
     (GPT-2's tied embedding; Llama's embedding, head and final norm) stay gathered from
     forward into backward: FSDP2 does not reshard the root after forward."""
-    from torch.distributed.fsdp import fully_shard
-
-    for block in blocks_of(model):
-        fully_shard(block)
-    fully_shard(model)
-    return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), _root_share(model)
+    return _fsdp2(model, split_embeddings=False)
 
 
 def setup_fsdp2_reshard_all(model):
@@ -130,16 +127,19 @@ def setup_fsdp2_reshard_all(model):
     that FSDP2 reshards them after forward and gathers them again in backward, as it does the
     blocks. A tied head cannot be split from its embedding (both must stay in one FSDP
     module), so for GPT-2 this is the same wrapping as ``fsdp2``."""
+    return _fsdp2(model, split_embeddings=True)
+
+
+def _fsdp2(model, split_embeddings: bool):
     from torch.distributed.fsdp import fully_shard
 
     emb_in, emb_out = model.get_input_embeddings(), model.get_output_embeddings()
     tied = emb_out is not None and emb_out.weight is emb_in.weight
-    if not tied:
-        fully_shard(emb_in)
-    for block in blocks_of(model):
-        fully_shard(block)
-    if not tied and emb_out is not None:
-        fully_shard(emb_out)
+    own = [*blocks_of(model)]
+    if split_embeddings and not tied:
+        own = [emb_in, *own] + ([emb_out] if emb_out is not None else [])
+    for module in own:
+        fully_shard(module)
     fully_shard(model)
     return plain_step(model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)), _root_share(model)
 
