@@ -10,15 +10,18 @@ every one of them and records, per plan:
 
 - predicted and measured step time. The distinct plans of a model run in rounds (four by
   default), forward, then backward, then forward again..., each time in a fresh runtime for
-  a few steps; the measurement is the fastest of all its timed steps (both ranks in
-  lock-step; ``measured`` says why), with their median beside it. This VM's speed drifts
-  by 10-40% within minutes; in one pass over the plans that drift fell on whichever plans
-  ran late and decided the order of near-ties, while alternating rounds spread it over
-  every plan. Every plan gets the same number of timed steps, since the fastest of more
-  steps is faster. A plan that is a candidate under several budgets is run once and its
-  measurement shared. ``--duel-rounds`` gives a budget's chosen plan and the fastest that
-  fits extra alternating rounds where the two disagree; it is off by default because it
-  gives those two plans more steps than the rest.
+  a few steps; the measurement is the median of all its timed steps (both ranks in
+  lock-step), with the fastest beside it. This VM's speed drifts by 10-40% within minutes;
+  in one pass over the plans that drift fell on whichever plans ran late and decided the
+  order of near-ties, while alternating rounds spread it over every plan. A plan that is a
+  candidate under several budgets is run once and its measurement shared. Where a budget's
+  chosen plan did not measure fastest among the plans that fit, the two run again in four
+  more alternating rounds (``--duel-rounds``) and their steps join the pool, so that the
+  chosen plan's measured rank rests on more than a few noisy steps.
+- how far the measured order can be trusted: the Spearman correlation of the plans'
+  medians over rounds 1 and 4 against those over rounds 2 and 3 (``spearman_split_half``).
+  It is the measurement's agreement with itself, so the predicted order cannot be shown
+  to match the measured one better than that.
 - predicted and measured peak memory per rank: the runtime's own ledger (parameter shards,
   optimizer state, gradient shards held before the step) plus everything PyTorch's CPU
   allocator hands out during one whole step (forward, backward, clipping, optimizer step),
@@ -281,7 +284,7 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
                     times = _timed(got)
                     print(f"[round {r + 1}/{args.rounds}, {j + 1}/{len(order)}] {e['model']:10s} "
                           f"pred {pred['step_time_s']:.3f} s: this round {statistics.median(res['step_times_s']):.3f} s, "
-                          f"all rounds {measured(times):.3f} s (fastest), plain model {references[e['model']]:.3f} s",
+                          f"all rounds {statistics.median(times):.3f} s, plain model {references[e['model']]:.3f} s",
                           flush=True)
         # a budget whose chosen plan did not measure fastest among those that fit: the two
         # plans again, alternating, until the pair has been timed often enough to tell apart
@@ -294,12 +297,12 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
                     results[key].setdefault("duel_step_times_s", []).append(res["step_times_s"])
             if rank == 0:
                 print(f"[duel round {d + 1}/{args.duel_rounds}] " + "; ".join(
-                    f"{_measured(results[a]):.3f} s against {_measured(results[b]):.3f} s" for a, b in pairs[0]), flush=True)
+                    f"{_median(results[a]):.3f} s against {_median(results[b]):.3f} s" for a, b in pairs[0]), flush=True)
         if rank == 0:
             for key, got in results.items():
                 times = _timed(got)
-                queue.put((key, got | {"step_times_s": times, "measured_step_s": measured(times),
-                                       "median_step_s": statistics.median(times)}))
+                queue.put((key, got | {"step_times_s": times, "measured_step_s": statistics.median(times),
+                                       "fastest_step_s": min(times)}))
     finally:
         dist.destroy_process_group()
 
@@ -309,23 +312,8 @@ def _timed(got: dict) -> list[float]:
     return [t for rt in got["round_step_times_s"] + got.get("duel_step_times_s", []) for t in rt]
 
 
-def measured(times: list[float]) -> float:
-    """A plan's measured step: its fastest timed step.
-
-    This VM's interference is machine-wide: with two ranks each running a fixed matmul loop,
-    both slowed to half speed at the same moment for about a second in ten (the kernel's
-    steal counter did not move), and the plain model's step drifted by up to 30% between
-    minutes. Interference only ever adds time, so, as ``timeit`` reasons, the fastest of a
-    plan's steps (pooled over rounds minutes apart) estimates its undisturbed step, which
-    is what the planner predicts; a median over six steps still carries a burst or a slow
-    minute. The calibration's short windows (a median of a few calls within seconds) are
-    mostly burst-free for the same reason. The median is reported beside it.
-    """
-    return min(times)
-
-
-def _measured(got: dict) -> float:
-    return measured(_timed(got))
+def _median(got: dict) -> float:
+    return statistics.median(_timed(got))
 
 
 def contested(entries: list[dict], results: dict[str, dict]) -> list[tuple[str, str]]:
@@ -337,7 +325,7 @@ def contested(entries: list[dict], results: dict[str, dict]) -> list[tuple[str, 
         rows = [e for e in entries if e["budget"] == budget]  # the chosen plan comes first
         chosen = plan_key(rows[0])
         fit = [plan_key(e) for e in rows if fits(e)]
-        best = min(fit, key=lambda k: _measured(results[k]))
+        best = min(fit, key=lambda k: _median(results[k]))
         if best != chosen and (chosen, best) not in pairs:
             pairs.append((chosen, best))
     return pairs
@@ -391,10 +379,25 @@ def spearman(xs: list[float], ys: list[float]) -> float:
     return cov / var if var else float("nan")
 
 
+def split_half(plans: list[dict]) -> float:
+    """Spearman of the plans' median steps over rounds 1 and 4 (5, 8, ...) against those
+    over rounds 2 and 3 (6, 7, ...): how well the measured order reproduces itself. Each
+    half has a forward and a backward round, so a drift along the run order falls on both.
+    Spearman of prediction against measurement can only exceed this by chance."""
+    if len(plans) < 2 or len(plans[0]["measured_detail"]["round_step_times_s"]) < 2:
+        return float("nan")
+    halves: tuple[list[float], list[float]] = ([], [])
+    for p in plans:
+        rounds = p["measured_detail"]["round_step_times_s"]
+        for h, keep in enumerate(((0, 3), (1, 2))):
+            halves[h].append(statistics.median(t for i, r in enumerate(rounds) if i % 4 in keep for t in r))
+    return spearman(*halves)
+
+
 def summarise(rows: list[dict]) -> dict:
-    """Per plan and per model. A plan's measured step is the fastest of its timed steps
-    from every round (``measured``); the same figures from their median are kept under
-    ``*_median`` keys, and ``round_medians_s`` shows how much one round alone moved.
+    """Per plan and per model. A plan's measured step is the median of its timed steps from
+    every round; the same figures from its fastest step are kept under ``*_fastest`` keys,
+    and ``round_medians_s`` shows how much one round alone moved.
     ``speed_by_round`` is the plain model's step before each round over the first round's:
     above 1 the machine had slowed down."""
     out: dict = {"plans": [], "models": {}}
@@ -406,8 +409,8 @@ def summarise(rows: list[dict]) -> dict:
             "fits": fits(r),
             "predicted_step_s": pred["step_time_s"], "measured_step_s": meas["measured_step_s"],
             "step_error": pred["step_time_s"] / meas["measured_step_s"] - 1,
-            "median_step_s": meas["median_step_s"],
-            "step_error_median": pred["step_time_s"] / meas["median_step_s"] - 1,
+            "fastest_step_s": meas["fastest_step_s"],
+            "step_error_fastest": pred["step_time_s"] / meas["fastest_step_s"] - 1,
             "round_medians_s": [statistics.median(t) for t in meas["round_step_times_s"]],
             "predicted_peak_bytes": pred["peak_bytes"], "measured_peak_bytes": meas["measured_peak_bytes"],
             "peak_error": pred["peak_bytes"] / meas["measured_peak_bytes"] - 1,
@@ -424,7 +427,7 @@ def summarise(rows: list[dict]) -> dict:
     for model in dict.fromkeys(p["model"] for p in out["plans"]):
         mine = [p for p in out["plans"] if p["model"] == model]
         # one point per distinct plan (a plan can be a candidate under several budgets)
-        uniq = {plan_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values()
+        uniq = list({plan_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values())
         refs = mine[0]["measured_detail"]["reference_step_s"]  # one per round, alike for every plan
         per_budget = {}
         for b in dict.fromkeys(p["budget"] for p in mine):
@@ -439,9 +442,10 @@ def summarise(rows: list[dict]) -> dict:
             "spearman_step_time": spearman([p["predicted_step_s"] for p in uniq],
                                            [p["measured_step_s"] for p in uniq]),
             "max_abs_step_error": max(abs(p["step_error"]) for p in mine),
-            "spearman_step_time_median": spearman([p["predicted_step_s"] for p in uniq],
-                                                  [p["median_step_s"] for p in uniq]),
-            "max_abs_step_error_median": max(abs(p["step_error_median"]) for p in mine),
+            "spearman_split_half": split_half(list(uniq)),
+            "spearman_step_time_fastest": spearman([p["predicted_step_s"] for p in uniq],
+                                                   [p["fastest_step_s"] for p in uniq]),
+            "max_abs_step_error_fastest": max(abs(p["step_error_fastest"]) for p in mine),
             "speed_by_round": [ref / refs[0] for ref in refs],
             "max_abs_peak_error": max(abs(p["peak_error"]) for p in mine),
             "budgets": per_budget,
@@ -490,12 +494,12 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--rounds", type=int, default=4, help="passes over the plans, in alternating order")
     p.add_argument("--steps", type=int, default=3, help="timed steps per plan and round")
-    p.add_argument("--duel-rounds", type=int, default=0,
+    p.add_argument("--duel-rounds", type=int, default=4,
                    help="extra alternating rounds for a budget's chosen plan and the fastest that fits, "
-                        "when they differ (their fastest steps then come from more steps than the rest's)")
+                        "when they differ")
     # the first step records the chunk trace; on a CPU the heap grows over two steps before
-    # every allocation reuses kept memory (runtime/host_memory.py): a slow third step would
-    # still not be the fastest
+    # every allocation reuses kept memory (runtime/host_memory.py); a slower third step is
+    # one of twelve in a median
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per plan and round")
     p.add_argument("--no-calibrate", dest="calibrate", action="store_false",
                    help="plan with the cached calibration instead of calibrating before each model")
@@ -523,8 +527,9 @@ def main() -> None:
     summary["seconds"] = time.perf_counter() - t0
     for model, s in summary["models"].items():
         print(f"{model}: spearman {s['spearman_step_time']:.2f}, max |step error| "
-              f"{s['max_abs_step_error']:.0%} (by medians: {s['spearman_step_time_median']:.2f}, "
-              f"{s['max_abs_step_error_median']:.0%}), max |peak error| {s['max_abs_peak_error']:.0%}; "
+              f"{s['max_abs_step_error']:.0%} (measured order against itself: {s['spearman_split_half']:.2f}; "
+              f"by fastest steps: {s['spearman_step_time_fastest']:.2f}, {s['max_abs_step_error_fastest']:.0%}), "
+              f"max |peak error| {s['max_abs_peak_error']:.0%}; "
               f"plain model's step by round: {', '.join(f'{v:.2f}' for v in s['speed_by_round'])} of the first")
         for b, v in s["budgets"].items():
             print(f"   {b:6s} chosen/best fitting {v['chosen_vs_best_fitting']:.3f} "

@@ -20,8 +20,7 @@ that is what is measured here, rather than a peak matmul rate:
 - **the optimizer kernel the runtime uses** (fused AdamW over views of one flat shard);
 - **the runtime's own collectives** (``hf_elixir.runtime.comm.Collectives``) between two
   local processes at chunk-sized buffers, all-gather and gradient reduction separately
-  (on gloo they are different algorithms), each issued as a step issues it: after some
-  compute, with no barrier first, the median call (``in_a_step``).
+  (on gloo they are different algorithms).
 
 On a CPU every rank of a multi-process run gets one thread (``torchrun`` and ``accelerate
 launch`` set ``OMP_NUM_THREADS=1``), and ranks share the memory bus, so the per-rank figures
@@ -500,42 +499,26 @@ def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, ou
             shard = torch.ones(n // world, device=dev)
             target = torch.zeros(n // world, device=dev)
             scratch = torch.empty(n // world, device=dev) if coll.reduce_needs_scratch else None
+
+            def gather():
+                dist.barrier()
+                coll.all_gather(full, shard)
+
+            def reduce():
+                dist.barrier()
+                coll.reduce_scatter_accumulate(target, full, scratch)
+
+            def barrier():
+                dist.barrier()
+
+            base = best_time(barrier, repeat=5, sync=sync)
             wire = n * 4 * (world - 1) / world
-            g_pts.append((wire, in_a_step(lambda: coll.all_gather(full, shard), dev, sync)))
-            r_pts.append((wire, in_a_step(lambda: coll.reduce_scatter_accumulate(target, full, scratch), dev, sync)))
+            g_pts.append((wire, best_time(gather, repeat=3, sync=sync) - base))
+            r_pts.append((wire, best_time(reduce, repeat=3, sync=sync) - base))
         if rank == 0:
             out.put(PairResult(compute=asdict(figs) if figs else {}, gather=_fit(g_pts), reduce=_fit(r_pts)))
     finally:
         dist.destroy_process_group()
-
-
-def in_a_step(collective: Callable[[], object], device: torch.device, sync=None, calls: int = 7) -> float:
-    """Median seconds of ``collective`` issued as a training step issues it: after a stretch
-    of compute, with no barrier first.
-
-    A barrier before each call and the best of a few calls measure the link at its best:
-    both ranks arrive together and the buffers are still in cache. In a step a collective
-    follows a module's compute, which evicts them, and waits for the rank that arrives later;
-    on this VM's gloo that made a 64 MB gather up to 80% slower than its best. What the cost
-    model prices is the typical call, so that is what is measured (a median, as for the
-    block efficiency).
-    """
-    a = torch.randn(256, 512, device=device)
-    b = torch.randn(512, 1024, device=device)
-    c = torch.empty(256, 1024, device=device)
-    times = []
-    for i in range(calls + 1):
-        for _ in range(8):  # a few milliseconds of a module's matmuls on a CPU rank
-            torch.mm(a, b, out=c)
-        if sync:
-            sync()
-        t = time.perf_counter()
-        collective()
-        if sync:
-            sync()
-        if i:  # the first call warms the buffers and the backend up
-            times.append(time.perf_counter() - t)
-    return max(statistics.median(times), 1e-7)
 
 
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
