@@ -444,6 +444,7 @@ def summarise(rows: list[dict]) -> dict:
         # one point per distinct plan (a plan can be a candidate under several budgets)
         uniq = list({plan_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values())
         refs = mine[0]["measured_detail"]["reference_step_s"]  # one per round, alike for every plan
+        split = split_half(uniq)
         per_budget = {}
         for b in dict.fromkeys(p["budget"] for p in mine):
             rows_b = [p for p in mine if p["budget"] == b]
@@ -457,8 +458,8 @@ def summarise(rows: list[dict]) -> dict:
             "spearman_step_time": spearman([p["predicted_step_s"] for p in uniq],
                                            [p["measured_step_s"] for p in uniq]),
             "max_abs_step_error": max(abs(p["step_error"]) for p in mine),
-            "spearman_split_half": split_half(uniq),
-            "spearman_noise_ceiling": noise_ceiling(split_half(uniq)),
+            "spearman_split_half": split,
+            "spearman_noise_ceiling": noise_ceiling(split),
             "spearman_step_time_fastest": spearman([p["predicted_step_s"] for p in uniq],
                                                    [p["fastest_step_s"] for p in uniq]),
             "max_abs_step_error_fastest": max(abs(p["step_error_fastest"]) for p in mine),
