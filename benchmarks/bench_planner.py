@@ -28,6 +28,11 @@ every one of them and records, per plan:
   as the running sum of ``torch.profiler``'s memory events (the method
   ``tests/test_profile.py`` validates), plus the model's buffers;
 - the measured rank of the chosen plan among the candidates that fit the budget;
+- with ``--replay RESULTS_JSON``: the very plans of that earlier run, measured again in the
+  same rounds, and how far the two runs' measured orders agree (``spearman_between_runs``).
+  Agreement within a run can come from a disturbance that lasts the whole run (one run
+  measured two copies of one Llama-60M plan 16% apart); what carries from run to run
+  bounds what any prediction can reach (``ceiling_between_runs``).
 - before each round, the plain model's forward and backward on both ranks (``reference_step``):
   the machine's speed then, relative to the first round.
 
@@ -145,6 +150,58 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
     return out
 
 
+def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
+    """The (budget, plan) pairs of one model from an earlier results file, rebuilt from
+    their configs (the chunk layout does not depend on the calibration) and predicted with
+    ``hw``. Each budget keeps the earlier run's verdict of which plans fit it."""
+    import hf_elixir as hfe
+    from hf_elixir.plan import search
+
+    profile = hfe.profile_model(config_for(name), BATCH, dtype="float32", attention_target="cpu",
+                                model_name=name)
+    hw_w = search._resolve_hardware(hw, WORLD)
+    cands, packings = search.enumerate_candidates(profile, hw_w, WORLD, profile.dtype, "adamw")
+    by_sig = {search._signature(c): c for c in cands}
+    rows = [r for r in earlier if r["model"] == name]
+    out = []
+    for r in rows:
+        k = r["config"]
+        sig = (k["chunk_size"], k["activation_checkpointing"], k["rcache_blocks"], k["prefetch_depth"],
+               k["optim_offload_chunks"], k["param_offload_chunks"])
+        if sig not in by_sig:
+            sys.exit(f"{name}: the earlier plan {k} is not among this planner's candidates; "
+                     "replay a results file written by this version of the planner")
+        # every plan that fitted the budget then fits this; every other plan does not
+        budget = max(q["predicted_peak_bytes"] for q in rows if q["budget"] == r["budget"] and q["fits"])
+        c = by_sig[sig]
+        plan = search.materialize(c, packings[c.chunk_size], profile, hw_w, WORLD, profile.dtype, "adamw", budget)
+        plan.predictions["reason"] = r["reason"]
+        if plan.predictions["peak_bytes"] != r["predicted_peak_bytes"]:
+            print(f"note: {name} {r['budget']} {r['role']}: predicted peak now {plan.predictions['peak_bytes']} bytes, "
+                  f"then {r['predicted_peak_bytes']}", flush=True)
+        out.append({"model": name, "budget": r["budget"], "budget_bytes": budget, "role": r["role"],
+                    "plan": plan.to_dict(), "earlier": r})
+    return out
+
+
+def between_runs(summary: dict, rows: list[dict]) -> None:
+    """How far the measured order of the same plans carries from one run to the next.
+
+    A prediction that does not know which run it faces can agree with one run's order
+    only as far as the runs agree with each other: if every plan's median is its true
+    step plus a run's own disturbance, two runs correlate at the measurement's reliability
+    r, and the truth correlates with either at sqrt(r) (``ceiling_between_runs``)."""
+    for model, s in summary["models"].items():
+        uniq = list({plan_key(r): (p, r["earlier"]) for r, p in zip(rows, summary["plans"])
+                     if p["model"] == model}.values())
+        now = [p["measured_step_s"] for p, _ in uniq]
+        then = [e["measured_step_s"] for _, e in uniq]
+        r = spearman(now, then)
+        s["spearman_between_runs"] = r
+        s["ceiling_between_runs"] = math.sqrt(r) if r > 0 else float("nan")
+        s["spearman_earlier_prediction"] = spearman([e["predicted_step_s"] for _, e in uniq], now)
+
+
 def _sig(p) -> tuple:
     return (p.chunk_size, p.activation_checkpointing, p.rcache_blocks, p.prefetch_depth,
             sum(c.optim_placement == "cpu" for c in p.chunks), sum(c.param_placement == "cpu" for c in p.chunks))
@@ -246,8 +303,10 @@ def fits(entry: dict) -> bool:
 
 
 def plan_key(entry: dict) -> str:
-    """Entries that run the same plan (one plan can be a candidate under several budgets)."""
-    plan = {k: v for k, v in entry["plan"].items() if k != "predictions"}
+    """Entries that run the same plan (one plan can be a candidate under several budgets).
+    What the planner says of a plan (its predictions, the runners-up a chosen plan names)
+    does not change what runs."""
+    plan = {k: v for k, v in entry["plan"].items() if k not in ("predictions", "alternatives")}
     return entry["model"] + json.dumps(plan, sort_keys=True)
 
 
@@ -522,8 +581,17 @@ def main() -> None:
                    help="plan with the cached calibration instead of calibrating before each model")
     p.add_argument("--alternatives", type=int, default=3, help="runners-up per budget")
     p.add_argument("--spread", type=int, default=3, help="extra fitting candidates per budget")
-    p.add_argument("--out", default=str(RESULTS / "bench_planner.json"))
+    p.add_argument("--replay", metavar="RESULTS_JSON",
+                   help="run again the very plans of an earlier results file (same rounds, no extra "
+                        "rounds for contested pairs) and report how far the two runs' measured orders agree")
+    p.add_argument("--out", default=None,
+                   help="results file (default: results/bench_planner.json, or bench_planner_replay.json with --replay)")
     args = p.parse_args()
+    earlier = json.loads(Path(args.replay).read_text())["plans"] if args.replay else None
+    if earlier is not None:
+        args.duel_rounds = 0  # both runs' medians from the same rounds
+        args.models = [m for m in args.models if any(r["model"] == m for r in earlier)]
+    args.out = args.out or str(RESULTS / ("bench_planner_replay.json" if earlier else "bench_planner.json"))
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
@@ -533,13 +601,16 @@ def main() -> None:
         # hour (DDP's own GPT-2 30M step: 1.13 s one session, 1.33 s and 0.95 s the next),
         # and a prediction can be no closer to a measurement than its calibration
         hw = hfe.HardwareProfile.calibrate() if args.calibrate else hfe.HardwareProfile.detect()
-        entries = plans_for(m, hw, args.alternatives, args.spread)
+        entries = replay_entries(m, hw, earlier) if earlier else plans_for(m, hw, args.alternatives, args.spread)
         print(f"{m}: {len(entries)} plans to run on {hw.name}", flush=True)
         # each model in fresh ranks: ranks that have run dozens of plans run the later ones
         # measurably slower (Llama-60M after 34 plans: 1.3-2.2 s a step; fresh: 1.2-1.5 s)
         rows += run_all(entries, args)
         hardware[m] = hw.to_dict() if hasattr(hw, "to_dict") else hw.name
     summary = summarise(rows)
+    if earlier:
+        between_runs(summary, rows)
+        summary["replay_of"] = args.replay
     summary["hardware"] = hardware
     summary["seconds"] = time.perf_counter() - t0
     for model, s in summary["models"].items():
@@ -548,6 +619,10 @@ def main() -> None:
               f"by fastest steps: {s['spearman_step_time_fastest']:.2f}, {s['max_abs_step_error_fastest']:.0%}), "
               f"max |peak error| {s['max_abs_peak_error']:.0%}; "
               f"plain model's step by round: {', '.join(f'{v:.2f}' for v in s['speed_by_round'])} of the first")
+        if "spearman_between_runs" in s:
+            print(f"   the earlier run's measured order against this run's: spearman {s['spearman_between_runs']:.2f} "
+                  f"(a run-independent prediction can reach about {s['ceiling_between_runs']:.2f}); "
+                  f"the earlier predictions against this run: {s['spearman_earlier_prediction']:.2f}")
         for b, v in s["budgets"].items():
             print(f"   {b:6s} chosen/best fitting {v['chosen_vs_best_fitting']:.3f} "
                   f"(rank {v['chosen_measured_rank']} of {v['fitting_candidates']})")
