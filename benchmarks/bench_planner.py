@@ -180,26 +180,46 @@ def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
             print(f"note: {name} {r['budget']} {r['role']}: predicted peak now {plan.predictions['peak_bytes']} bytes, "
                   f"then {r['predicted_peak_bytes']}", flush=True)
         out.append({"model": name, "budget": r["budget"], "budget_bytes": budget, "role": r["role"],
-                    "plan": plan.to_dict(), "earlier": r})
+                    "plan": plan.to_dict()})
     return out
 
 
-def between_runs(summary: dict, rows: list[dict]) -> None:
-    """How far the measured order of the same plans carries from one run to the next.
+def between_runs(summary: dict, earlier: list[dict]) -> None:
+    """How far the measured order of the same plans carries from one run to the next, and
+    how the predictions fare against both runs' steps together.
 
     A prediction that does not know which run it faces can agree with one run's order
     only as far as the runs agree with each other: if every plan's median is its true
     step plus a run's own disturbance, two runs correlate at the measurement's reliability
-    r, and the truth correlates with either at sqrt(r) (``ceiling_between_runs``)."""
+    r, and the truth correlates with either at sqrt(r) (``ceiling_between_runs``; with a
+    dozen plans the figure itself is uncertain by about 0.25). ``spearman_pooled`` sets
+    this run's predictions against the median of both runs' timed steps, the benchmark's
+    own measure over twice the steps; ``spearman_predictions_between_runs`` compares the
+    two runs' predicted orders, each from its own calibration. Both runs count their
+    rounds' steps only (extra rounds for a contested pair ran in one run alone)."""
+    def config(p: dict) -> str:
+        return p["model"] + json.dumps(p["config"], sort_keys=True)
+
+    def rounds(rows: list[dict]) -> list[float]:
+        """The round steps of one plan; twins (one plan run as two entries) pool theirs."""
+        distinct = {json.dumps(r["measured_detail"]["round_step_times_s"]): r for r in rows}
+        return [t for r in distinct.values() for rt in r["measured_detail"]["round_step_times_s"] for t in rt]
+
+    then: dict[str, list[dict]] = {}
+    for p in earlier:
+        then.setdefault(config(p), []).append(p)
     for model, s in summary["models"].items():
-        uniq = list({plan_key(r): (p, r["earlier"]) for r, p in zip(rows, summary["plans"])
-                     if p["model"] == model}.values())
-        now = [p["measured_step_s"] for p, _ in uniq]
-        then = [e["measured_step_s"] for _, e in uniq]
-        r = spearman(now, then)
+        uniq = list({config(p): p for p in summary["plans"] if p["model"] == model}.values())
+        now_steps = [rounds([p]) for p in uniq]
+        then_steps = [rounds(then[config(p)]) for p in uniq]
+        then_pred = [then[config(p)][0]["predicted_step_s"] for p in uniq]
+        r = spearman([statistics.median(t) for t in now_steps], [statistics.median(t) for t in then_steps])
+        pooled = [statistics.median(a + b) for a, b in zip(now_steps, then_steps)]
         s["spearman_between_runs"] = r
         s["ceiling_between_runs"] = math.sqrt(r) if r > 0 else float("nan")
-        s["spearman_earlier_prediction"] = spearman([e["predicted_step_s"] for _, e in uniq], now)
+        s["spearman_earlier_prediction"] = spearman(then_pred, [statistics.median(t) for t in now_steps])
+        s["spearman_pooled"] = spearman([p["predicted_step_s"] for p in uniq], pooled)
+        s["spearman_predictions_between_runs"] = spearman([p["predicted_step_s"] for p in uniq], then_pred)
 
 
 def _sig(p) -> tuple:
@@ -422,11 +442,19 @@ def run_all(entries: list[dict], args) -> list[dict]:
 
 # ---------------------------------------------------------------------- analysis
 def spearman(xs: list[float], ys: list[float]) -> float:
+    """Spearman's rank correlation; tied values share the mean of their ranks (two plans
+    predicted alike are not ordered by the order they were listed in)."""
     def ranks(v):
         order = sorted(range(len(v)), key=lambda i: v[i])
         r = [0.0] * len(v)
-        for pos, i in enumerate(order):
-            r[i] = float(pos)
+        pos = 0
+        while pos < len(order):
+            end = pos
+            while end + 1 < len(order) and v[order[end + 1]] == v[order[pos]]:
+                end += 1
+            for i in order[pos:end + 1]:
+                r[i] = (pos + end) / 2
+            pos = end + 1
         return r
 
     if len(xs) < 2:
@@ -609,7 +637,7 @@ def main() -> None:
         hardware[m] = hw.to_dict() if hasattr(hw, "to_dict") else hw.name
     summary = summarise(rows)
     if earlier:
-        between_runs(summary, rows)
+        between_runs(summary, earlier)
         summary["replay_of"] = args.replay
     summary["hardware"] = hardware
     summary["seconds"] = time.perf_counter() - t0
@@ -622,7 +650,9 @@ def main() -> None:
         if "spearman_between_runs" in s:
             print(f"   the earlier run's measured order against this run's: spearman {s['spearman_between_runs']:.2f} "
                   f"(a run-independent prediction can reach about {s['ceiling_between_runs']:.2f}); "
-                  f"the earlier predictions against this run: {s['spearman_earlier_prediction']:.2f}")
+                  f"the earlier predictions against this run: {s['spearman_earlier_prediction']:.2f}; "
+                  f"this run's predictions against both runs' steps: {s['spearman_pooled']:.2f}; "
+                  f"the two runs' predicted orders: {s['spearman_predictions_between_runs']:.2f}")
         for b, v in s["budgets"].items():
             print(f"   {b:6s} chosen/best fitting {v['chosen_vs_best_fitting']:.3f} "
                   f"(rank {v['chosen_measured_rank']} of {v['fitting_candidates']})")
