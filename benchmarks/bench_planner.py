@@ -126,9 +126,9 @@ def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) ->
     return out
 
 
-def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]:
-    """Every (budget, plan) pair to run for one model: the chosen plan, its runners-up as
-    the planner names them, and a few fitting candidates spread over predicted time."""
+def candidates_for(name: str, hw) -> tuple:
+    """One model's profile, the hardware at world size 2, and every candidate the planner
+    enumerates for it (with the chunk packings by chunk size)."""
     import hf_elixir as hfe
     from hf_elixir.plan import search
 
@@ -136,6 +136,16 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
                                 model_name=name)
     hw_w = search._resolve_hardware(hw, WORLD)
     cands, packings = search.enumerate_candidates(profile, hw_w, WORLD, profile.dtype, "adamw")
+    return profile, hw_w, cands, packings
+
+
+def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]:
+    """Every (budget, plan) pair to run for one model: the chosen plan, its runners-up as
+    the planner names them, and a few fitting candidates spread over predicted time."""
+    import hf_elixir as hfe
+    from hf_elixir.plan import search
+
+    profile, hw_w, cands, packings = candidates_for(name, hw)
     out = []
     for label, budget in budgets(cands).items():
         chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
@@ -154,15 +164,16 @@ def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
     """The (budget, plan) pairs of one model from an earlier results file, rebuilt from
     their configs (the chunk layout does not depend on the calibration) and predicted with
     ``hw``. Each budget keeps the earlier run's verdict of which plans fit it."""
-    import hf_elixir as hfe
     from hf_elixir.plan import search
 
-    profile = hfe.profile_model(config_for(name), BATCH, dtype="float32", attention_target="cpu",
-                                model_name=name)
-    hw_w = search._resolve_hardware(hw, WORLD)
-    cands, packings = search.enumerate_candidates(profile, hw_w, WORLD, profile.dtype, "adamw")
+    profile, hw_w, cands, packings = candidates_for(name, hw)
     by_sig = {search._signature(c): c for c in cands}
     rows = [r for r in earlier if r["model"] == name]
+    # every plan that fitted a budget then fits it now; every other plan does not
+    fitting = {}
+    for q in rows:
+        if q["fits"]:
+            fitting[q["budget"]] = max(fitting.get(q["budget"], 0), q["predicted_peak_bytes"])
     out = []
     for r in rows:
         k = r["config"]
@@ -171,8 +182,7 @@ def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
         if sig not in by_sig:
             sys.exit(f"{name}: the earlier plan {k} is not among this planner's candidates; "
                      "replay a results file written by this version of the planner")
-        # every plan that fitted the budget then fits this; every other plan does not
-        budget = max(q["predicted_peak_bytes"] for q in rows if q["budget"] == r["budget"] and q["fits"])
+        budget = fitting[r["budget"]]
         c = by_sig[sig]
         plan = search.materialize(c, packings[c.chunk_size], profile, hw_w, WORLD, profile.dtype, "adamw", budget)
         plan.predictions["reason"] = r["reason"]
