@@ -157,6 +157,46 @@ def test_cpu_ranks_sharing_every_core_cannot_hide_communication():
     assert hidden.backward_end < serial.backward_end
 
 
+def _work(c) -> tuple:
+    """What a candidate makes the runtime do on a CPU device, offloading aside."""
+    return (c.chunk_size, c.checkpointing, min(c.rcache_blocks, c.n_chunks), c.prefetch_depth)
+
+
+def test_offloading_on_a_cpu_device_costs_no_time(gpt2):
+    """On a CPU device "offloaded" state already lies in host memory: the runtime copies
+    nothing (its counter sees no host<->device bytes, as traffic.step_traffic predicts) and
+    updates every shard on the same cores, so an offloading candidate is predicted exactly
+    as fast as its twin that offloads nothing, and moves no bytes over PCIe; on a GPU the
+    copies move bytes and change the step's time (a host optimizer running beside the
+    device can also shorten it)."""
+    model, prof = gpt2
+    for W in (1, 2):
+        cands, packings = search.enumerate_candidates(prof, hfe.HardwareProfile.preset("cpu"), W, "float32", "adamw")
+        twins: dict = {}
+        for c in cands:
+            twins.setdefault(_work(c), set()).add(round(c.step_time, 12))
+            assert c.pcie_bytes == 0 and c.time["pcie"] == 0
+        assert any(c.n_optim_cpu and c.n_param_cpu for c in cands)
+        assert all(len(times) == 1 for times in twins.values()), twins
+    gpu = search.enumerate_candidates(prof, hfe.HardwareProfile.preset("a100-80g"), 1, "float32", "adamw")[0]
+    plain = {_work(c): c.step_time for c in gpu if not c.n_optim_cpu}
+    offloading = [c for c in gpu if c.n_optim_cpu]
+    assert all(c.pcie_bytes > 0 for c in offloading)
+    assert any(c.step_time > plain[_work(c)] for c in offloading)
+    # the runtime: half the optimizer and a parameter shard offloaded on a CPU device, no copy
+    c = next(c for c in cands if c.n_chunks >= 2 and c.n_optim_cpu == c.n_chunks and c.n_param_cpu)
+    plan = search.materialize(c, packings[c.chunk_size], prof, hfe.HardwareProfile.preset("cpu"), 1,
+                              "float32", "adamw", c.peak)
+    em = hfe.ElixirModule(tiny_gpt2(), plan)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(em.module.parameters(), lr=1e-3))
+    ids = torch.randint(0, 128, (2, 32))
+    opt.backward(em(input_ids=ids, labels=ids).loss)
+    opt.step()
+    counted = em.comm_report()["bytes"]
+    assert counted["host_to_device"] == counted["device_to_host"] == 0
+    em.close()
+
+
 def test_fresh_outputs_are_counted_apart_from_reads():
     """An out-of-place add reads two inputs and writes one new tensor; the in-place add
     rewrites mapped memory: no fresh bytes (on a CPU the difference is page faults)."""

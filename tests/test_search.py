@@ -210,3 +210,16 @@ def test_choice_rule_is_the_one_the_summary_states(request, fixture, world_size)
     p = plan(model, (2, 32), hardware=hw, world_size=world_size, dtype="fp32", profile=prof,
              memory_budget=int(peaks[len(peaks) // 2]))
     assert CHOICE_RULE in summary(p)
+
+
+def test_a_runner_up_held_back_by_the_offload_margin_says_so(gpt2):
+    """On a CPU device offloading costs no time (the state is in host memory already), so a
+    roomy budget's offloading runners-up tie the chosen plan; their reason names the margin
+    that held them back, not bytes or memory they do not add."""
+    model, prof = gpt2
+    p = plan(model, (2, 32), hardware="cpu", world_size=2, dtype="fp32", profile=prof, alternatives=8)
+    assert not p.offload_fraction()
+    tied = [a for a in p.alternatives if a["step_time_s"] <= p.predictions["step_time_s"] * 1.0005
+            and (a["optim_offload_chunks"] or a["param_offload_chunks"])]
+    assert tied and all(a["reason"] == f"same predicted time but offloads (offloading must win by {OFFLOAD_MARGIN:.0%})"
+                        for a in tied)

@@ -34,8 +34,8 @@ the trace decides which) are all-gathered on a communication stream beside compu
 last backward user ran. On a CPU whose cores all run ranks, communication cannot hide behind
 compute (``Links.overlap``). After backward: on a GPU, chunks whose optimizer runs on the
 CPU copy their gradient shards down and updates run beside the device optimizer
-(``cpu_pipeline``); on a CPU device clipping, AdamW and offload copies share the rank's
-cores (``after_backward``).
+(``cpu_pipeline``); on a CPU device clipping and AdamW share the rank's cores
+(``after_backward``), and offloading costs no time: the state is in host memory already.
 """
 
 from __future__ import annotations
@@ -262,7 +262,7 @@ class Links:
     latency: float     # seconds per collective call
     gather_per_byte: float  # seconds per byte of a chunk all-gathered (communication stream)
     reduce_per_byte: float  # seconds per byte of a chunk's gradient reduced
-    h2d_per_byte: float     # seconds per byte copied host -> device
+    h2d_per_byte: float     # seconds per byte copied host -> device (0 on a CPU device: no copy)
     overlap: float          # share of communication that can hide behind compute (0..1)
     figs: Any = None        # the rank's ComputeFigures: the runtime's own copies are priced by them
 
@@ -289,8 +289,11 @@ class Links:
             overlap = max(0.0, 1.0 - min(W, hw.gpus_per_node) * figs.threads / cores)
         else:
             overlap = 1.0
+        # an offloaded parameter shard is uploaded before its gather only where the device
+        # has memory of its own: on a CPU device it is gathered from where it lies
+        h2d = 0.0 if hw.device_type == "cpu" else 1.0 / hw.h2d_bandwidth
         return cls(latency=latency, gather_per_byte=gather, reduce_per_byte=reduce,
-                   h2d_per_byte=1.0 / hw.h2d_bandwidth, overlap=overlap, figs=figs)
+                   h2d_per_byte=h2d, overlap=overlap, figs=figs)
 
 
 #: reductions the runtime keeps pending before it completes the oldest (runtime/reduce.py)
@@ -411,16 +414,17 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
                      adopted_at={c: last_bwd[c] for c in adopted if last_bwd[c] >= 0})
 
 
-def after_backward(shard_elems: float, offloaded_elems: float, compute_bytes: int,
-                   figs, hw: HardwareProfile, world_size: int) -> float:
+def after_backward(shard_elems: float, figs, hw: HardwareProfile, world_size: int) -> float:
     """Compute-stream seconds from the end of backward to the end of the step on a rank
     whose optimizer shares its cores with compute (a CPU device): clipping reads every fp32
-    gradient shard, the fused AdamW updates every shard (offloaded or not: the same cores),
-    offloaded shards are copied out and back, and the gradient shards are zeroed."""
+    gradient shard, the fused AdamW updates every shard, and the gradient shards are zeroed.
+
+    Offloading changes none of it: a CPU device's "offloaded" state is already in host
+    memory, so the runtime copies nothing out or back (``traffic.step_traffic`` counts no
+    host<->device bytes there either) and every shard updates on the same cores."""
     grad_bytes = shard_elems * 4
     t = 2 * grad_bytes / figs.read_bandwidth  # the norm's read, the zeroing's rewrite
     t += shard_elems / figs.adam_rate
-    t += offloaded_elems * compute_bytes * (1 / hw.d2h_bandwidth + 1 / hw.h2d_bandwidth)
     if world_size > 1:
         t += 2 * hw.collective_latency  # the norm's and the late chunks' all-reduces
     return t

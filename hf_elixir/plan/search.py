@@ -194,8 +194,8 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
                       + mem.gradients - buf + max(ledger_buffers, default=0.0))
     shards = [e / W for e in x.elems]
     off, off_params = sum(shards[n - k:]), sum(shards[n - p:])
-    if hw.device_type == "cpu":  # optimizer, clipping and offload copies share the rank's cores
-        dev_opt = cost.after_backward(sum(shards), off, cb, x.figs, hw, W)
+    if hw.device_type == "cpu":  # optimizer and clipping share the rank's cores; nothing is copied
+        dev_opt = cost.after_backward(sum(shards), x.figs, hw, W)
         step = sim.backward_end + dev_opt
         cpu_time = off / x.figs.adam_rate
         exposed_cpu = 0.0
@@ -205,8 +205,9 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult,
         step = max(device_end, cpu_end)
         cpu_time = off / (hw.cpu_adam_throughput / max(1, min(W, hw.gpus_per_node)))
         exposed_cpu = max(0.0, cpu_end - device_end)
-    # offloaded chunks: gradient shard down, updated parameters up (skipped when they stay on CPU)
-    pcie = off * cb + (off - off_params) * cb + sim.h2d_param_bytes
+    # offloaded chunks: gradient shard down, updated parameters up (skipped when they stay on
+    # CPU); a CPU device has no second memory to copy to (as traffic.step_traffic counts)
+    pcie = off * cb + (off - off_params) * cb + sim.h2d_param_bytes if hw.device_type != "cpu" else 0.0
     return Candidate(
         chunk_size=x.S, n_chunks=n, checkpointing=x.ckpt, rcache_blocks=R, prefetch_depth=d,
         n_optim_cpu=k, n_param_cpu=p, peak=mem.total(), step_time=step,
@@ -475,6 +476,8 @@ def _alternatives(best: Candidate, cands: list[Candidate], path: list[Candidate]
             if pred(c):
                 if c.key() < best.key():
                     add(c, "faster but offloads more than a plan that needs less memory")
+                elif c.step_time <= best.step_time * 1.0005 and c.key()[0] > best.key()[0]:
+                    add(c, f"same predicted time but offloads (offloading must win by {OFFLOAD_MARGIN:.0%})")
                 elif c.step_time <= best.step_time * 1.0005:
                     add(c, "same predicted time but more bytes communicated or more memory")
                 else:
