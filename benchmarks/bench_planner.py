@@ -8,13 +8,17 @@ For GPT-2 30M, GPT-2 124M and a Llama-style model (fp32, AdamW, clipping at 1.0,
 planner chooses a plan and names its runners-up (``plan.alternatives``); this script runs
 every one of them and records, per plan:
 
-- predicted and measured step time. The distinct plans of a model run in rounds (four by
+- predicted and measured step time. The distinct plans of a model run in rounds (six by
   default), forward, then backward, then forward again..., each time in a fresh runtime for
   a few steps; the measurement is the median of all its timed steps (both ranks in
   lock-step), with the fastest beside it. This VM's speed drifts by 10-40% within minutes;
   in one pass over the plans that drift fell on whichever plans ran late and decided the
   order of near-ties, while alternating rounds spread it over every plan. A plan that is a
-  candidate under several budgets is run once and its measurement shared. Where a budget's
+  candidate under several budgets is run once and its measurement shared. Plans that make
+  the runtime do the same work (on a CPU device, plans that differ only in what they
+  offload: the state is in host memory either way) are one *work*: each runs in the first
+  round, where its memory is measured, and one of them in every later round; their steps
+  are pooled and the work is one point of the rank correlation. Where a budget's
   chosen plan did not measure fastest among the plans that fit, the two run again in four
   more alternating rounds (``--duel-rounds``) and their steps join the pool, so that the
   chosen plan's measured rank rests on more than a few noisy steps.
@@ -109,17 +113,21 @@ def budgets(cands) -> dict[str, int]:
 
 def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) -> list:
     """Fitting candidates spread over the predicted step times (slowest included), so the
-    rank correlation is tested on plans the model tells apart, not only near-ties."""
+    rank correlation is tested on plans the model tells apart, not only near-ties. Each
+    adds a work not yet run (``work_key``): the fitting candidate nearest its quantile
+    whose work is new."""
     from hf_elixir.plan import search
 
     W = WORLD
     fit = sorted((c for c in cands if c.peak <= budget), key=lambda c: c.step_time)
     out = []
     for q in [(i + 1) / count for i in range(count)]:
-        c = fit[min(len(fit) - 1, int(q * (len(fit) - 1)))]
-        if search._signature(c) in taken:
-            continue
-        taken.add(search._signature(c))
+        at = min(len(fit) - 1, int(q * (len(fit) - 1)))
+        near = sorted(range(len(fit)), key=lambda i: (abs(i - at), -i))
+        c = next((fit[i] for i in near if _work(fit[i]) not in taken), None)
+        if c is None:
+            break
+        taken.add(_work(c))
         p = search.materialize(c, packings[c.chunk_size], profile, hw, W, profile.dtype, "adamw", budget)
         p.predictions["reason"] = f"spread: {q:.0%} of the fitting candidates are faster"
         out.append(p)
@@ -151,7 +159,7 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
         chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
                           memory_budget=budget, profile=profile, alternatives=alternatives)
         alts = search.candidate_plans(chosen, profile, hw)
-        taken = {_sig(p) for p in [chosen] + alts}
+        taken = {_work(p) for p in [chosen] + alts}
         extra = spread(profile, hw_w, cands, packings, budget, taken, spread_count)
         roles = ["chosen"] + [f"alt {i + 1}" for i in range(len(alts))] + [f"spread {i + 1}" for i in range(len(extra))]
         for role, p in zip(roles, [chosen] + alts + extra):
@@ -196,7 +204,7 @@ def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
 
 def between_runs(summary: dict, earlier: list[dict]) -> None:
     """How far the measured order of the same plans carries from one run to the next, and
-    how the predictions fare against both runs' steps together.
+    how the predictions fare against both runs' steps together, one point per work.
 
     A prediction that does not know which run it faces can agree with one run's order
     only as far as the runs agree with each other: if every plan's median is its true
@@ -207,22 +215,20 @@ def between_runs(summary: dict, earlier: list[dict]) -> None:
     own measure over twice the steps; ``spearman_predictions_between_runs`` compares the
     two runs' predicted orders, each from its own calibration. Both runs count their
     rounds' steps only (extra rounds for a contested pair ran in one run alone)."""
-    def config(p: dict) -> str:
-        return p["model"] + json.dumps(p["config"], sort_keys=True)
-
     def rounds(rows: list[dict]) -> list[float]:
-        """The round steps of one plan; twins (one plan run as two entries) pool theirs."""
+        """The round steps of one work; twins (plans of one work timed apart, as runs before
+        ``work_key`` did) pool theirs."""
         distinct = {json.dumps(r["measured_detail"]["round_step_times_s"]): r for r in rows}
         return [t for r in distinct.values() for rt in r["measured_detail"]["round_step_times_s"] for t in rt]
 
     then: dict[str, list[dict]] = {}
     for p in earlier:
-        then.setdefault(config(p), []).append(p)
+        then.setdefault(config_work(p), []).append(p)
     for model, s in summary["models"].items():
-        uniq = list({config(p): p for p in summary["plans"] if p["model"] == model}.values())
+        uniq = list({config_work(p): p for p in summary["plans"] if p["model"] == model}.values())
         now_steps = [rounds([p]) for p in uniq]
-        then_steps = [rounds(then[config(p)]) for p in uniq]
-        then_pred = [then[config(p)][0]["predicted_step_s"] for p in uniq]
+        then_steps = [rounds(then[config_work(p)]) for p in uniq]
+        then_pred = [then[config_work(p)][0]["predicted_step_s"] for p in uniq]
         r = spearman([statistics.median(t) for t in now_steps], [statistics.median(t) for t in then_steps])
         pooled = [statistics.median(a + b) for a, b in zip(now_steps, then_steps)]
         s["spearman_between_runs"] = r
@@ -232,9 +238,11 @@ def between_runs(summary: dict, earlier: list[dict]) -> None:
         s["spearman_predictions_between_runs"] = spearman([p["predicted_step_s"] for p in uniq], then_pred)
 
 
-def _sig(p) -> tuple:
-    return (p.chunk_size, p.activation_checkpointing, p.rcache_blocks, p.prefetch_depth,
-            sum(c.optim_placement == "cpu" for c in p.chunks), sum(c.param_placement == "cpu" for c in p.chunks))
+def _work(p) -> tuple:
+    """The work (``work_key``) of a plan or a search candidate on a CPU device."""
+    if hasattr(p, "checkpointing"):  # a search.Candidate
+        return p.chunk_size, p.checkpointing, min(p.rcache_blocks, p.n_chunks), p.prefetch_depth
+    return p.chunk_size, p.activation_checkpointing, min(p.rcache_blocks, len(p.chunks)), p.prefetch_depth
 
 
 # ---------------------------------------------------------------------- running (ranks)
@@ -340,11 +348,33 @@ def plan_key(entry: dict) -> str:
     return entry["model"] + json.dumps(plan, sort_keys=True)
 
 
+def work_key(entry: dict) -> str:
+    """Plans that make the runtime do the same work, so that their steps can only differ
+    by the machine's noise. On a CPU device an offloaded shard already lies in host memory:
+    the placements change what the runtime's ledger counts as device memory, not a single
+    copy or operator (``cost.after_backward``), and an rCache with more blocks than there
+    are chunks behaves as one with exactly as many. Such twins are one point of the rank
+    correlation, timed together (their steps pooled)."""
+    plan = entry["plan"]
+    chunks = [c["params"] for c in plan["chunks"]]
+    rest = {k: v for k, v in plan.items() if k not in ("predictions", "alternatives", "chunks", "rcache_blocks")}
+    return entry["model"] + json.dumps(rest | {"chunks": chunks, "rcache_blocks": min(plan["rcache_blocks"], len(chunks))},
+                                       sort_keys=True)
+
+
+def config_work(row: dict) -> str:
+    """``work_key`` of a results row, from its recorded config."""
+    c = row["config"]
+    return row["model"] + json.dumps([c["chunk_size"], c["activation_checkpointing"],
+                                      min(c["rcache_blocks"], c["n_chunks"]), c["prefetch_depth"]])
+
+
 def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
-    """Run every distinct plan of the entries once per round, in rounds of alternating order
-    (forward, backward, forward...): a drift of the machine's speed over the run then falls
-    on early and late plans alike instead of on whichever plans ran last. Each plan's timed
-    steps from all rounds are pooled; its memory is measured in the first round."""
+    """Run every distinct plan of the entries in the first round (where each plan's memory
+    is measured), then one plan per distinct work (``work_key``) in each later round, in
+    rounds of alternating order (forward, backward, forward...): a drift of the machine's
+    speed over the run then falls on early and late plans alike instead of on whichever
+    plans ran last. The timed steps of all rounds are pooled per work."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)  # one core per rank, as torchrun and accelerate launch set it
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -356,48 +386,57 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
     for e in entries:
         distinct.setdefault(plan_key(e), e)
     order = list(distinct)
-    results: dict[str, dict] = {}
+    first_of_work: dict[str, str] = {}
+    for key in order:
+        first_of_work.setdefault(work_key(distinct[key]), key)
+    results: dict[str, dict] = {}  # per plan: its memory and cache figures
+    timing: dict[str, dict] = {}   # per work: its steps by round and in duels
     try:
         for model in plain.values():  # fresh ranks: the first steps run slow (heap settling)
             reference_step(model)
         for r in range(args.rounds):
             references = {m: reference_step(model) for m, model in plain.items()}
-            for j, key in enumerate(order if r % 2 == 0 else order[::-1]):
+            keys = order if r == 0 else list(first_of_work.values())
+            for j, key in enumerate(keys if r % 2 == 0 else keys[::-1]):
                 e = distinct[key]
                 res = run_plan(e, args.steps, args.warmup, measure_memory=r == 0)
-                got = results.setdefault(key, res | {"round_step_times_s": [], "reference_step_s": []})
-                got["round_step_times_s"].append(res["step_times_s"])
-                got["reference_step_s"].append(references[e["model"]])
+                results.setdefault(key, res)
+                got = timing.setdefault(work_key(e), {"round_step_times_s": [], "reference_step_s": []})
+                if len(got["round_step_times_s"]) == r:  # the work's first plan this round
+                    got["round_step_times_s"].append([])
+                    got["reference_step_s"].append(references[e["model"]])
+                got["round_step_times_s"][r] += res["step_times_s"]
                 if rank == 0:
                     pred = e["plan"]["predictions"]
                     times = _timed(got)
-                    print(f"[round {r + 1}/{args.rounds}, {j + 1}/{len(order)}] {e['model']:10s} "
+                    print(f"[round {r + 1}/{args.rounds}, {j + 1}/{len(keys)}] {e['model']:10s} "
                           f"pred {pred['step_time_s']:.3f} s: this round {statistics.median(res['step_times_s']):.3f} s, "
                           f"all rounds {statistics.median(times):.3f} s, plain model {references[e['model']]:.3f} s",
                           flush=True)
         # a budget whose chosen plan did not measure fastest among those that fit: the two
         # plans again, alternating, until the pair has been timed often enough to tell apart
-        pairs = [contested(entries, results) if rank == 0 else None]
+        pairs = [contested(entries, timing) if rank == 0 else None]
         dist.broadcast_object_list(pairs, src=0)  # rank 1's own timings could pick other pairs
         for d in range(args.duel_rounds if pairs[0] else 0):
             for pair in pairs[0]:
                 for key in pair if d % 2 == 0 else pair[::-1]:
-                    res = run_plan(distinct[key], args.steps, args.warmup, measure_memory=False)
-                    results[key].setdefault("duel_step_times_s", []).append(res["step_times_s"])
+                    res = run_plan(distinct[first_of_work[key]], args.steps, args.warmup, measure_memory=False)
+                    timing[key].setdefault("duel_step_times_s", []).append(res["step_times_s"])
             if rank == 0:
                 print(f"[duel round {d + 1}/{args.duel_rounds}] " + "; ".join(
-                    f"{_median(results[a]):.3f} s against {_median(results[b]):.3f} s" for a, b in pairs[0]), flush=True)
+                    f"{_median(timing[a]):.3f} s against {_median(timing[b]):.3f} s" for a, b in pairs[0]), flush=True)
         if rank == 0:
             for key, got in results.items():
-                times = _timed(got)
-                queue.put((key, got | {"step_times_s": times, "measured_step_s": statistics.median(times),
-                                       "fastest_step_s": min(times)}))
+                work = timing[work_key(distinct[key])]
+                times = _timed(work)
+                queue.put((key, got | work | {"step_times_s": times, "measured_step_s": statistics.median(times),
+                                              "fastest_step_s": min(times)}))
     finally:
         dist.destroy_process_group()
 
 
 def _timed(got: dict) -> list[float]:
-    """Every timed step of one plan: its rounds and its duels."""
+    """Every timed step of one work: its rounds and its duels."""
     return [t for rt in got["round_step_times_s"] + got.get("duel_step_times_s", []) for t in rt]
 
 
@@ -405,16 +444,16 @@ def _median(got: dict) -> float:
     return statistics.median(_timed(got))
 
 
-def contested(entries: list[dict], results: dict[str, dict]) -> list[tuple[str, str]]:
-    """(chosen, fastest measured) plan keys of each budget whose chosen plan did not measure
+def contested(entries: list[dict], timing: dict[str, dict]) -> list[tuple[str, str]]:
+    """(chosen, fastest measured) work keys of each budget whose chosen plan did not measure
     fastest among the plans that fit it. Such a pair is often a near-tie: two steps a round
     move by 10-40% on this VM, so the pair is timed again before the rank is recorded."""
     pairs: list[tuple[str, str]] = []
     for budget in dict.fromkeys(e["budget"] for e in entries):
         rows = [e for e in entries if e["budget"] == budget]  # the chosen plan comes first
-        chosen = plan_key(rows[0])
-        fit = [plan_key(e) for e in rows if fits(e)]
-        best = min(fit, key=lambda k: _median(results[k]))
+        chosen = work_key(rows[0])
+        fit = [work_key(e) for e in rows if fits(e)]
+        best = min(fit, key=lambda k: _median(timing[k]))
         if best != chosen and (chosen, best) not in pairs:
             pairs.append((chosen, best))
     return pairs
@@ -538,8 +577,9 @@ def summarise(rows: list[dict]) -> dict:
         })
     for model in dict.fromkeys(p["model"] for p in out["plans"]):
         mine = [p for p in out["plans"] if p["model"] == model]
-        # one point per distinct plan (a plan can be a candidate under several budgets)
-        uniq = list({plan_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values())
+        # one point per distinct work (a plan can be a candidate under several budgets, and
+        # plans that differ only in what the ledger counts run the same steps: work_key)
+        uniq = list({work_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values())
         refs = mine[0]["measured_detail"]["reference_step_s"]  # one per round, alike for every plan
         split = split_half(uniq)
         per_budget = {}
@@ -606,7 +646,7 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--rounds", type=int, default=4, help="passes over the plans, in alternating order")
+    p.add_argument("--rounds", type=int, default=6, help="passes over the plans, in alternating order")
     p.add_argument("--steps", type=int, default=3, help="timed steps per plan and round")
     p.add_argument("--duel-rounds", type=int, default=4,
                    help="extra alternating rounds for a budget's chosen plan and the fastest that fits, "
