@@ -23,7 +23,7 @@ every one of them and records, per plan:
   more alternating rounds (``--duel-rounds``) and their steps join the pool, so that the
   chosen plan's measured rank rests on more than a few noisy steps.
 - how far the measured order can be trusted: the Spearman correlation of the plans'
-  medians over rounds 1 and 4 against those over rounds 2 and 3 (``spearman_split_half``),
+  medians over rounds 1, 4 and 5 against those over rounds 2, 3 and 6 (``spearman_split_half``),
   and from it the correlation a perfect prediction would be expected to reach against the
   whole measurement (``spearman_noise_ceiling``).
 - predicted and measured peak memory per rank: the runtime's own ledger (parameter shards,
