@@ -379,6 +379,7 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
     torch.set_num_threads(1)  # one core per rank, as torchrun and accelerate launch set it
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from hf_elixir.runtime.host_memory import keep_freed_host_memory
+    from hf_elixir.steal import StealMeter
 
     keep_freed_host_memory()  # as the first ElixirModule would: every reference runs alike
     plain = {m: build(m) for m in dict.fromkeys(e["model"] for e in entries)}
@@ -399,19 +400,25 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
             keys = order if r == 0 else list(first_of_work.values())
             for j, key in enumerate(keys if r % 2 == 0 else keys[::-1]):
                 e = distinct[key]
+                meter = StealMeter()
                 res = run_plan(e, args.steps, args.warmup, measure_memory=r == 0)
+                stolen = meter.share()
                 results.setdefault(key, res)
-                got = timing.setdefault(work_key(e), {"round_step_times_s": [], "reference_step_s": []})
+                got = timing.setdefault(work_key(e), {"round_step_times_s": [], "reference_step_s": [],
+                                                      "steal_share": []})
                 if len(got["round_step_times_s"]) == r:  # the work's first plan this round
                     got["round_step_times_s"].append([])
                     got["reference_step_s"].append(references[e["model"]])
+                    got["steal_share"].append([])
                 got["round_step_times_s"][r] += res["step_times_s"]
+                got["steal_share"][r].append(stolen)
                 if rank == 0:
                     pred = e["plan"]["predictions"]
                     times = _timed(got)
                     print(f"[round {r + 1}/{args.rounds}, {j + 1}/{len(keys)}] {e['model']:10s} "
                           f"pred {pred['step_time_s']:.3f} s: this round {statistics.median(res['step_times_s']):.3f} s, "
-                          f"all rounds {statistics.median(times):.3f} s, plain model {references[e['model']]:.3f} s",
+                          f"all rounds {statistics.median(times):.3f} s, plain model {references[e['model']]:.3f} s"
+                          + (f", {stolen:.0%} of the CPU stolen" if stolen is not None else ""),
                           flush=True)
         # a budget whose chosen plan did not measure fastest among those that fit: the two
         # plans again, alternating, until the pair has been timed often enough to tell apart
@@ -550,7 +557,9 @@ def summarise(rows: list[dict]) -> dict:
     every round; the same figures from its fastest step are kept under ``*_fastest`` keys,
     and ``round_medians_s`` shows how much one round alone moved.
     ``speed_by_round`` is the plain model's step before each round over the first round's:
-    above 1 the machine had slowed down."""
+    above 1 the machine had slowed down. ``steal_share_by_round``: the median share of the
+    CPU time the hypervisor took while a plan ran (``hf_elixir.steal``), per round; the
+    machine's own slow spells show there."""
     out: dict = {"plans": [], "models": {}}
     for r in rows:
         pred, meas = r["plan"]["predictions"], r["measured"]
@@ -573,7 +582,7 @@ def summarise(rows: list[dict]) -> dict:
             "predicted_time": pred["time"], "predicted_memory": pred["memory"],
             "measured_detail": {k: meas.get(k, []) for k in ("round_step_times_s", "duel_step_times_s", "held_bytes",
                                                               "step_allocations_peak", "cache_stats",
-                                                              "reference_step_s")},
+                                                              "reference_step_s", "steal_share")},
         })
     for model in dict.fromkeys(p["model"] for p in out["plans"]):
         mine = [p for p in out["plans"] if p["model"] == model]
@@ -601,10 +610,20 @@ def summarise(rows: list[dict]) -> dict:
                                                    [p["fastest_step_s"] for p in uniq]),
             "max_abs_step_error_fastest": max(abs(p["step_error_fastest"]) for p in mine),
             "speed_by_round": [ref / refs[0] for ref in refs],
+            "steal_share_by_round": _steal_by_round(uniq),
             "max_abs_peak_error": max(abs(p["peak_error"]) for p in mine),
             "budgets": per_budget,
         }
     return out
+
+
+def _steal_by_round(plans: list[dict]) -> list[float | None]:
+    """Median stolen CPU share of the visits of each round (None where it was not counted)."""
+    per_round: dict[int, list[float]] = {}
+    for p in plans:
+        for r, shares in enumerate(p["measured_detail"].get("steal_share") or []):
+            per_round.setdefault(r, []).extend(v for v in shares if v is not None)
+    return [statistics.median(v) if v else None for _, v in sorted(per_round.items())]
 
 
 def plot(summary: dict, path: Path) -> None:
@@ -696,7 +715,8 @@ def main() -> None:
               f"{s['max_abs_step_error']:.0%} (noise ceiling {s['spearman_noise_ceiling']:.2f}, halves {s['spearman_split_half']:.2f}; "
               f"by fastest steps: {s['spearman_step_time_fastest']:.2f}, {s['max_abs_step_error_fastest']:.0%}), "
               f"max |peak error| {s['max_abs_peak_error']:.0%}; "
-              f"plain model's step by round: {', '.join(f'{v:.2f}' for v in s['speed_by_round'])} of the first")
+              f"plain model's step by round: {', '.join(f'{v:.2f}' for v in s['speed_by_round'])} of the first; "
+              f"CPU stolen by round: {', '.join('-' if v is None else f'{v:.0%}' for v in s['steal_share_by_round'])}")
         if "spearman_between_runs" in s:
             print(f"   the earlier run's measured order against this run's: spearman {s['spearman_between_runs']:.2f} "
                   f"(a run-independent prediction can reach about {s['ceiling_between_runs']:.2f}); "

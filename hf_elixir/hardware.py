@@ -16,6 +16,7 @@ import os
 import re
 import socket
 import time
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,9 @@ GiB = 2**30
 GB = 10**9
 
 DATASHEET, MEASURED, PUBLISHED, ESTIMATE = "datasheet", "measured", "published measurement", "estimate"
+#: share of CPU time stolen by the hypervisor during a calibration above which it says so:
+#: this 2-core VM measured 1-4% when quiet, and 30% in a spell that ran steps 1.8x slower
+STEAL_WARNING = 0.10
 
 
 class HardwareError(ValueError):
@@ -59,6 +63,10 @@ class HardwareProfile:
         compute: measured per-operator figures (``hf_elixir.calibrate.ComputeFigures`` as
             dicts), ``"shared"`` for a rank sharing its node, ``"whole"`` for a lone process;
             empty for presets, which derive them from the datasheet figures.
+        calibration_steal: share of the CPU time a hypervisor took from this (virtual)
+            machine while it was calibrated (``hf_elixir.steal``); None for presets or where
+            the kernel does not count it. Figures measured under steal price plans slower
+            than the machine runs when its host is quiet.
         sources: field name -> datasheet / published measurement / estimate / measured.
     """
 
@@ -82,6 +90,7 @@ class HardwareProfile:
     reduce_bandwidth: float = 0.0
     compute: dict[str, dict] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
+    calibration_steal: float | None = None
 
     # ------------------------------------------------------------------ derived
     @property
@@ -255,6 +264,9 @@ class HardwareProfile:
             ("CPU AdamW", f"{self.cpu_adam_throughput / 1e9:.2f} G params/s"),
             ("CPU memory", format_bytes(self.cpu_memory)),
         ]
+        if self.calibration_steal is not None:
+            note = " (a busy host: calibrate again when it is quiet)" if self.calibration_steal >= STEAL_WARNING else ""
+            rows.append(("CPU stolen while calibrating", f"{self.calibration_steal:.0%}{note}"))
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
@@ -408,7 +420,9 @@ def calibrate_local(quick: bool = False) -> HardwareProfile:
     collectives) is measured by ``hf_elixir.calibrate``; see its docstring.
     """
     from hf_elixir import calibrate as cal
+    from hf_elixir.steal import StealMeter
 
+    steal = StealMeter()
     cuda = torch.cuda.is_available()
     prof = HardwareProfile.detect(use_cache=False)
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -416,7 +430,7 @@ def calibrate_local(quick: bool = False) -> HardwareProfile:
     src = dict(prof.sources)
     copy_elems = (4 if quick else 64) * 2**20 // 4  # fp32 elements
 
-    # host <-> device (on CPU: a host memory copy, which is what "offload" costs there)
+    # host <-> device (on CPU a host memory copy; the runtime makes none there)
     host = torch.empty(copy_elems, dtype=torch.float32, pin_memory=cuda)
     devbuf = torch.empty(copy_elems, dtype=torch.float32, device=dev)
     nbytes = copy_elems * 4
@@ -459,4 +473,9 @@ def calibrate_local(quick: bool = False) -> HardwareProfile:
         src[k] = MEASURED
     prof.sources = src
     prof.name = prof.name + " (calibrated)" if "calibrated" not in prof.name else prof.name
+    prof.calibration_steal = steal.share()
+    if prof.calibration_steal is not None and prof.calibration_steal >= STEAL_WARNING:
+        warnings.warn(f"hf_elixir calibrate: the hypervisor took {prof.calibration_steal:.0%} of this machine's CPU "
+                      "time while it was measured, so its figures are slower than the machine is when its host "
+                      "is quiet; calibrate again later (hf-elixir calibrate)", stacklevel=2)
     return prof

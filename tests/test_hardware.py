@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 
 from hf_elixir.hardware import GB, GiB, PRESETS, HardwareError, HardwareProfile, parse_memory
@@ -68,7 +71,35 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
     widths = [w for w, _ in figs.efficiency_curve]
     assert widths == sorted(widths) and len(widths) >= 2
     assert all(0.2 < r < 5.0 for _, r in figs.efficiency_curve)
+    if Path("/proc/stat").exists():  # what the hypervisor took while it measured
+        assert 0.0 <= cal.calibration_steal <= 1.0
     cached = list(tmp_path.glob("hardware-*.json"))
     assert len(cached) == 1
     again = HardwareProfile.detect()  # uses the cached calibration
     assert again == cal
+
+
+def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):
+    """The share of all CPU time counted as stolen (the eighth field of /proc/stat's cpu line)
+    between the meter's start and now; None where the kernel does not count it. A
+    calibration made under steal says so."""
+    from hf_elixir import steal
+
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(steal, "_STAT", stat)
+    stat.write_text("cpu  100 0 50 800 10 0 5 35 7 0\ncpu0 50 0 25 400 5 0 2 18 0 0\n")
+    meter = steal.StealMeter()
+    # +300 user, +100 system, +200 idle, +400 steal (guest time is inside user): 40% stolen
+    stat.write_text("cpu  400 0 150 1000 10 0 5 435 99 0\n")
+    assert meter.share() == pytest.approx(0.4)
+    meter.restart()
+    assert meter.share() == 0.0
+    stat.write_text("cpu  1 2 3 4\n")  # a kernel without the steal field
+    assert steal.cpu_times() is None and meter.share() is None
+    monkeypatch.setattr(steal, "_STAT", tmp_path / "missing")
+    assert steal.StealMeter().share() is None
+
+    hw = HardwareProfile.preset("cpu")
+    assert "stolen" not in hw.describe()
+    assert "CPU stolen while calibrating  5%\n" in replace(hw, calibration_steal=0.05).describe() + "\n"
+    assert "32% (a busy host: calibrate again when it is quiet)" in replace(hw, calibration_steal=0.32).describe()
