@@ -114,7 +114,7 @@ def budgets(cands) -> dict[str, int]:
 def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) -> list:
     """Fitting candidates spread over the predicted step times (slowest included), so the
     rank correlation is tested on plans the model tells apart, not only near-ties. Each
-    adds a work not yet run (``work_key``): the fitting candidate nearest its quantile
+    adds a work not yet run (``_work``): the fitting candidate nearest its quantile
     whose work is new."""
     from hf_elixir.plan import search
 
@@ -124,10 +124,10 @@ def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) ->
     for q in [(i + 1) / count for i in range(count)]:
         at = min(len(fit) - 1, int(q * (len(fit) - 1)))
         near = sorted(range(len(fit)), key=lambda i: (abs(i - at), -i))
-        c = next((fit[i] for i in near if _work(fit[i]) not in taken), None)
+        c = next((fit[i] for i in near if candidate_work(fit[i]) not in taken), None)
         if c is None:
             break
-        taken.add(_work(c))
+        taken.add(candidate_work(c))
         p = search.materialize(c, packings[c.chunk_size], profile, hw, W, profile.dtype, "adamw", budget)
         p.predictions["reason"] = f"spread: {q:.0%} of the fitting candidates are faster"
         out.append(p)
@@ -159,7 +159,7 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
         chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
                           memory_budget=budget, profile=profile, alternatives=alternatives)
         alts = search.candidate_plans(chosen, profile, hw)
-        taken = {_work(p) for p in [chosen] + alts}
+        taken = {candidate_work(p) for p in [chosen] + alts}
         extra = spread(profile, hw_w, cands, packings, budget, taken, spread_count)
         roles = ["chosen"] + [f"alt {i + 1}" for i in range(len(alts))] + [f"spread {i + 1}" for i in range(len(extra))]
         for role, p in zip(roles, [chosen] + alts + extra):
@@ -217,7 +217,7 @@ def between_runs(summary: dict, earlier: list[dict]) -> None:
     rounds' steps only (extra rounds for a contested pair ran in one run alone)."""
     def rounds(rows: list[dict]) -> list[float]:
         """The round steps of one work; twins (plans of one work timed apart, as runs before
-        ``work_key`` did) pool theirs."""
+        works did) pool theirs."""
         distinct = {json.dumps(r["measured_detail"]["round_step_times_s"]): r for r in rows}
         return [t for r in distinct.values() for rt in r["measured_detail"]["round_step_times_s"] for t in rt]
 
@@ -236,13 +236,6 @@ def between_runs(summary: dict, earlier: list[dict]) -> None:
         s["spearman_earlier_prediction"] = spearman(then_pred, [statistics.median(t) for t in now_steps])
         s["spearman_pooled"] = spearman([p["predicted_step_s"] for p in uniq], pooled)
         s["spearman_predictions_between_runs"] = spearman([p["predicted_step_s"] for p in uniq], then_pred)
-
-
-def _work(p) -> tuple:
-    """The work (``work_key``) of a plan or a search candidate on a CPU device."""
-    if hasattr(p, "checkpointing"):  # a search.Candidate
-        return p.chunk_size, p.checkpointing, min(p.rcache_blocks, p.n_chunks), p.prefetch_depth
-    return p.chunk_size, p.activation_checkpointing, min(p.rcache_blocks, len(p.chunks)), p.prefetch_depth
 
 
 # ---------------------------------------------------------------------- running (ranks)
@@ -348,30 +341,41 @@ def plan_key(entry: dict) -> str:
     return entry["model"] + json.dumps(plan, sort_keys=True)
 
 
+def _work(model: str, chunk_size: int, checkpointing: bool, rcache_blocks: int, n_chunks: int,
+          prefetch_depth: int) -> str:
+    """What a plan makes the runtime do on a CPU device, so that plans of one work can only
+    differ in their steps by the machine's noise. An offloaded shard already lies in host
+    memory there: the placements change what the runtime's ledger counts as device memory,
+    not a single copy or operator (``cost.after_backward``). An rCache with more blocks than
+    there are chunks behaves as one with exactly as many, and a model's chunk size decides
+    its packing. Such twins are one point of the rank correlation, timed together."""
+    return model + json.dumps([chunk_size, checkpointing, min(rcache_blocks, n_chunks), prefetch_depth])
+
+
 def work_key(entry: dict) -> str:
-    """Plans that make the runtime do the same work, so that their steps can only differ
-    by the machine's noise. On a CPU device an offloaded shard already lies in host memory:
-    the placements change what the runtime's ledger counts as device memory, not a single
-    copy or operator (``cost.after_backward``), and an rCache with more blocks than there
-    are chunks behaves as one with exactly as many. Such twins are one point of the rank
-    correlation, timed together (their steps pooled)."""
-    plan = entry["plan"]
-    chunks = [c["params"] for c in plan["chunks"]]
-    rest = {k: v for k, v in plan.items() if k not in ("predictions", "alternatives", "chunks", "rcache_blocks")}
-    return entry["model"] + json.dumps(rest | {"chunks": chunks, "rcache_blocks": min(plan["rcache_blocks"], len(chunks))},
-                                       sort_keys=True)
+    """The work (``_work``) of an entry's plan."""
+    p = entry["plan"]
+    return _work(entry["model"], p["chunk_size"], p["activation_checkpointing"], p["rcache_blocks"],
+                 len(p["chunks"]), p["prefetch_depth"])
 
 
 def config_work(row: dict) -> str:
-    """``work_key`` of a results row, from its recorded config."""
+    """The work (``_work``) of a results row, from its recorded config."""
     c = row["config"]
-    return row["model"] + json.dumps([c["chunk_size"], c["activation_checkpointing"],
-                                      min(c["rcache_blocks"], c["n_chunks"]), c["prefetch_depth"]])
+    return _work(row["model"], c["chunk_size"], c["activation_checkpointing"], c["rcache_blocks"],
+                 c["n_chunks"], c["prefetch_depth"])
+
+
+def candidate_work(c) -> str:
+    """The work (``_work``) of a search candidate or an ElixirPlan, within one model."""
+    if hasattr(c, "checkpointing"):  # a search.Candidate
+        return _work("", c.chunk_size, c.checkpointing, c.rcache_blocks, c.n_chunks, c.prefetch_depth)
+    return _work("", c.chunk_size, c.activation_checkpointing, c.rcache_blocks, len(c.chunks), c.prefetch_depth)
 
 
 def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
     """Run every distinct plan of the entries in the first round (where each plan's memory
-    is measured), then one plan per distinct work (``work_key``) in each later round, in
+    is measured), then one plan per distinct work (``_work``) in each later round, in
     rounds of alternating order (forward, backward, forward...): a drift of the machine's
     speed over the run then falls on early and late plans alike instead of on whichever
     plans ran last. The timed steps of all rounds are pooled per work."""
@@ -587,7 +591,7 @@ def summarise(rows: list[dict]) -> dict:
     for model in dict.fromkeys(p["model"] for p in out["plans"]):
         mine = [p for p in out["plans"] if p["model"] == model]
         # one point per distinct work (a plan can be a candidate under several budgets, and
-        # plans that differ only in what the ledger counts run the same steps: work_key)
+        # plans that differ only in what the ledger counts run the same steps: _work)
         uniq = list({work_key(r): p for r, p in zip(rows, out["plans"]) if p["model"] == model}.values())
         refs = mine[0]["measured_detail"]["reference_step_s"]  # one per round, alike for every plan
         split = split_half(uniq)
