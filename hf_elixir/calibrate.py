@@ -91,6 +91,13 @@ class ComputeFigures:
             the same FLOPs; attention and layer norm are dominated by per-row work), so
             ``efficiency_at`` interpolates for the width of the model being planned.
         adam_rate: fused AdamW, elements/s for one rank.
+        update_rate: elements/s of everything a CPU-device rank runs on its fp32 shards
+            between backward and the next forward, as ``ElixirOptimizer`` runs it: the
+            clipping norm and the scaling, the fused AdamW update and the zeroing of the
+            gradient shard (``update_rate``); with several ranks, measured on all of them at
+            once, since they run it in lock-step between two all-reduces and share the
+            memory bus. 0 where not measured (``cost.after_backward`` then prices the passes
+            one by one).
         threads: torch threads per rank these figures were measured with.
     """
 
@@ -105,6 +112,7 @@ class ComputeFigures:
     efficiency: float = 1.0
     efficiency_curve: list[list[float]] = field(default_factory=list)
     adam_rate: float = 1e9
+    update_rate: float = 0.0
     threads: int = 1
 
     def matmul_rate(self, dtype: str, flops: float, layout: str = "") -> float:
@@ -197,6 +205,7 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
     figs.event_overhead = runtime_event_overhead(device, sync)
     figs.efficiency_curve = block_efficiency(figs, device, sync, quick)
     figs.efficiency = statistics.median(r for _, r in figs.efficiency_curve)
+    figs.update_rate = update_rate(device, update_elems(quick), sync)
     return figs
 
 
@@ -373,6 +382,48 @@ def adam_rate(device: torch.device, elems: int, sync=None) -> float:
     return pieces * size / best_time(update, repeat=3, sync=sync)
 
 
+def update_elems(quick: bool) -> int:
+    """Elements of the flat shard ``update_rate`` is measured on: large enough to leave the
+    caches, as a model's optimizer shards do."""
+    return (1 if quick else 16) * 2**20
+
+
+def update_rate(device: torch.device, elems: int, sync=None, before: Callable[[], object] | None = None,
+                pieces: int = 64) -> float:
+    """Elements/s of what ``ElixirOptimizer`` runs on a rank's fp32 shards after backward:
+    the clipping norm over the gradient shard's per-parameter views and its scaling, the
+    functional fused AdamW over views of one flat shard, and the zeroing of the gradient
+    shard (``ComputeFigures.update_rate``). ``before`` (a barrier, when several ranks
+    measure together) runs ahead of each timed update and its own time is taken off, so the
+    ranks update in lock-step as they do between two all-reduces of a step."""
+    from torch.optim.adamw import adamw as functional_adamw
+
+    size = elems // pieces
+    flat, grad, m, v = (torch.zeros(size * pieces, device=device) for _ in range(4))
+    grad.normal_()
+    views = lambda t: [t[i * size:(i + 1) * size] for i in range(pieces)]  # noqa: E731
+    steps = [torch.tensor(0.0, device=device) for _ in range(pieces)]
+    fused = device.type in ("cpu", "cuda")
+    wait = before or (lambda: None)
+
+    def update():
+        wait()
+        grads = views(grad)
+        total = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().pow(2).sum().cpu()
+        coef = torch.clamp(1.0 / (total.sqrt().float() + 1e-6), max=1.0).to(device)
+        for g in grads:
+            g.mul_(coef)
+        functional_adamw(views(flat), grads, views(m), views(v), [], steps,
+                         foreach=None if fused else True, fused=fused, amsgrad=False, beta1=0.9,
+                         beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
+        grad.zero_()
+
+    # with ``before``, every rank must time as many calls as the others: no time budget
+    budget = math.inf if before else 3.0
+    base = median_time(wait, repeat=5, sync=sync, budget=budget) if before else 0.0
+    return size * pieces / max(median_time(update, repeat=5, sync=sync, budget=budget) - base, 1e-9)
+
+
 # ---------------------------------------------------------------------- a transformer block
 class _Block(nn.Module):
     """A GPT-style pre-norm block, the unit whose speed the cost model must get right."""
@@ -515,6 +566,8 @@ def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, ou
             wire = n * 4 * (world - 1) / world
             g_pts.append((wire, best_time(gather, repeat=3, sync=sync) - base))
             r_pts.append((wire, best_time(reduce, repeat=3, sync=sync) - base))
+        if figs is not None:  # the ranks' post-backward work, in lock-step as in a step
+            figs.update_rate = update_rate(dev, update_elems(quick), sync, before=dist.barrier)
         if rank == 0:
             out.put(PairResult(compute=asdict(figs) if figs else {}, gather=_fit(g_pts), reduce=_fit(r_pts)))
     finally:

@@ -139,6 +139,21 @@ def test_efficiency_follows_the_width_of_the_model_planned(gpt2):
     assert profile_model(llama, (1, 16), checkpointing=False).hidden_size == 96
 
 
+def test_the_post_backward_sequence_is_priced_at_its_measured_rate():
+    """Where calibration measured the whole post-backward sequence (clipping, AdamW,
+    zeroing, on every rank at once), it prices it; three small all-reduces bracket it with
+    several ranks. Figures from before that measurement price it pass by pass."""
+    hw = hfe.HardwareProfile.preset("cpu")
+    from dataclasses import replace
+
+    hw = replace(hw, collective_latency=0.002)
+    measured = ComputeFigures(update_rate=5e8, adam_rate=2e9, read_bandwidth=1e10)
+    assert cost.after_backward(1e8, measured, hw, 1) == pytest.approx(0.2)
+    assert cost.after_backward(1e8, measured, hw, 2) == pytest.approx(0.2 + 3 * 0.002)
+    older = replace(measured, update_rate=0.0)
+    assert cost.after_backward(1e8, older, hw, 1) == pytest.approx(3 * 4e8 / 1e10 + 1e8 / 2e9)
+
+
 def test_cpu_ranks_sharing_every_core_cannot_hide_communication():
     hw = hfe.HardwareProfile.preset("cpu").with_cluster(gpus_per_node=2)
     figs = ComputeFigures(threads=1)

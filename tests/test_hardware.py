@@ -71,6 +71,8 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
     widths = [w for w, _ in figs.efficiency_curve]
     assert widths == sorted(widths) and len(widths) >= 2
     assert all(0.2 < r < 5.0 for _, r in figs.efficiency_curve)
+    for sharing in cal.compute.values():  # the post-backward sequence, alone and on two ranks
+        assert sharing["update_rate"] > 1e5
     if Path("/proc/stat").exists():  # what the hypervisor took while it measured
         assert 0.0 <= cal.calibration_steal <= 1.0
     cached = list(tmp_path.glob("hardware-*.json"))
