@@ -8,6 +8,8 @@ memory the runtime's ledger holds, and activations and gradient buffers at one i
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GPT2Config
@@ -143,10 +145,7 @@ def test_the_post_backward_sequence_is_priced_at_its_measured_rate():
     """Where calibration measured the whole post-backward sequence (clipping, AdamW,
     zeroing, on every rank at once), it prices it; three small all-reduces bracket it with
     several ranks. Figures from before that measurement price it pass by pass."""
-    hw = hfe.HardwareProfile.preset("cpu")
-    from dataclasses import replace
-
-    hw = replace(hw, collective_latency=0.002)
+    hw = replace(hfe.HardwareProfile.preset("cpu"), collective_latency=0.002)
     measured = ComputeFigures(update_rate=5e8, adam_rate=2e9, read_bandwidth=1e10)
     assert cost.after_backward(1e8, measured, hw, 1) == pytest.approx(0.2)
     assert cost.after_backward(1e8, measured, hw, 2) == pytest.approx(0.2 + 3 * 0.002)
