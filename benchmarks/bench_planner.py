@@ -368,7 +368,9 @@ def config_work(row: dict) -> str:
 
 def candidate_work(c) -> str:
     """The work (``_work``) of a search candidate or an ElixirPlan, within one model."""
-    if hasattr(c, "checkpointing"):  # a search.Candidate
+    from hf_elixir.plan.search import Candidate
+
+    if isinstance(c, Candidate):
         return _work("", c.chunk_size, c.checkpointing, c.rcache_blocks, c.n_chunks, c.prefetch_depth)
     return _work("", c.chunk_size, c.activation_checkpointing, c.rcache_blocks, len(c.chunks), c.prefetch_depth)
 

@@ -361,25 +361,39 @@ def runtime_event_overhead(device: torch.device, sync=None, layers: int = 48) ->
     return max(0.0, (through - plain) / (2 * layers))
 
 
+class _FlatShard:
+    """An fp32 parameter shard with its gradient and AdamW moments, cut into ``pieces``
+    views (one per parameter slot), updated as ``ElixirOptimizer._update`` does: the
+    functional fused AdamW over the views. ``adam_rate`` and ``update_rate`` both time it."""
+
+    def __init__(self, device: torch.device, elems: int, pieces: int) -> None:
+        self.size, self.pieces = elems // pieces, pieces
+        self.flat, self.grad, self.m, self.v = (torch.zeros(self.size * pieces, device=device) for _ in range(4))
+        self.grad.normal_()
+        self.steps = [torch.tensor(0.0, device=device) for _ in range(pieces)]
+        self.fused = device.type in ("cpu", "cuda")
+
+    @property
+    def elems(self) -> int:
+        return self.size * self.pieces
+
+    def views(self, t: torch.Tensor) -> list[torch.Tensor]:
+        return [t[i * self.size:(i + 1) * self.size] for i in range(self.pieces)]
+
+    def adamw(self) -> None:
+        from torch.optim.adamw import adamw as functional_adamw
+
+        functional_adamw(self.views(self.flat), self.views(self.grad), self.views(self.m), self.views(self.v),
+                         [], self.steps, foreach=None if self.fused else True, fused=self.fused,
+                         amsgrad=False, beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8,
+                         maximize=False)
+
+
 def adam_rate(device: torch.device, elems: int, sync=None) -> float:
     """Elements/s of the update the runtime runs: functional fused AdamW over views of one
     flat shard (one view per parameter slot), as ``ElixirOptimizer._update`` calls it."""
-    from torch.optim.adamw import adamw as functional_adamw
-
-    flat = torch.zeros(elems, device=device)
-    grad, m, v = torch.randn_like(flat), torch.zeros_like(flat), torch.zeros_like(flat)
-    pieces = 16
-    size = elems // pieces
-    views = lambda t: [t[i * size:(i + 1) * size] for i in range(pieces)]  # noqa: E731
-    steps = [torch.tensor(0.0, device=device) for _ in range(pieces)]
-    fused = device.type in ("cpu", "cuda")
-
-    def update():
-        functional_adamw(views(flat), views(grad), views(m), views(v), [], steps,
-                         foreach=None if fused else True, fused=fused, amsgrad=False, beta1=0.9,
-                         beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
-
-    return pieces * size / best_time(update, repeat=3, sync=sync)
+    shard = _FlatShard(device, elems, pieces=16)
+    return shard.elems / best_time(shard.adamw, repeat=3, sync=sync)
 
 
 def update_elems(quick: bool) -> int:
@@ -396,32 +410,23 @@ def update_rate(device: torch.device, elems: int, sync=None, before: Callable[[]
     shard (``ComputeFigures.update_rate``). ``before`` (a barrier, when several ranks
     measure together) runs ahead of each timed update and its own time is taken off, so the
     ranks update in lock-step as they do between two all-reduces of a step."""
-    from torch.optim.adamw import adamw as functional_adamw
-
-    size = elems // pieces
-    flat, grad, m, v = (torch.zeros(size * pieces, device=device) for _ in range(4))
-    grad.normal_()
-    views = lambda t: [t[i * size:(i + 1) * size] for i in range(pieces)]  # noqa: E731
-    steps = [torch.tensor(0.0, device=device) for _ in range(pieces)]
-    fused = device.type in ("cpu", "cuda")
+    shard = _FlatShard(device, elems, pieces)
     wait = before or (lambda: None)
 
     def update():
         wait()
-        grads = views(grad)
+        grads = shard.views(shard.grad)
         total = torch.stack([torch.linalg.vector_norm(g) for g in grads]).double().pow(2).sum().cpu()
         coef = torch.clamp(1.0 / (total.sqrt().float() + 1e-6), max=1.0).to(device)
         for g in grads:
             g.mul_(coef)
-        functional_adamw(views(flat), grads, views(m), views(v), [], steps,
-                         foreach=None if fused else True, fused=fused, amsgrad=False, beta1=0.9,
-                         beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8, maximize=False)
-        grad.zero_()
+        shard.adamw()
+        shard.grad.zero_()
 
     # with ``before``, every rank must time as many calls as the others: no time budget
     budget = math.inf if before else 3.0
     base = median_time(wait, repeat=5, sync=sync, budget=budget) if before else 0.0
-    return size * pieces / max(median_time(update, repeat=5, sync=sync, budget=budget) - base, 1e-9)
+    return shard.elems / max(median_time(update, repeat=5, sync=sync, budget=budget) - base, 1e-9)
 
 
 # ---------------------------------------------------------------------- a transformer block
