@@ -77,6 +77,9 @@ def register_plan(sub) -> None:
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
     p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--efficiency", default="auto",
+                   help="how compute is priced: auto (time the model here when planning for this calibrated "
+                        "machine), measure, calibrated (the calibration's figure for the model's width), or a number")
     p.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of memory and step-time breakdowns here")
     p.set_defaults(func=cmd_plan)
@@ -107,8 +110,12 @@ def cmd_plan(args) -> int:
     hw = _hardware_from_args(args)
     cfg = load_config(args.model)
     try:
+        efficiency = float(args.efficiency)
+    except ValueError:
+        efficiency = args.efficiency
+    try:
         result = make_plan(cfg, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
-                           dtype=args.dtype, optimizer=args.optimizer)
+                           dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency)
     except PlanError as e:
         print(f"hf-elixir plan: {e}", file=sys.stderr)
         return EXIT_INFEASIBLE

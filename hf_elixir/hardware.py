@@ -234,7 +234,10 @@ class HardwareProfile:
             return None
         try:
             return cls.from_json(path)
-        except HardwareError:
+        except HardwareError as e:
+            warnings.warn(f"hf_elixir: the calibration cached in {path} cannot be read ({e}); planning with "
+                          "preset figures instead. Run `hf-elixir calibrate` to measure this machine again",
+                          stacklevel=2)
             return None
 
     @classmethod

@@ -81,6 +81,17 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
     assert again == cal
 
 
+def test_an_unreadable_calibration_cache_is_reported_not_silently_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_ELIXIR_CACHE", str(tmp_path))
+    from hf_elixir.hardware import cache_path
+
+    cache_path().write_text('{"name": "x", "warp_drive": 1}')
+    with pytest.warns(UserWarning, match="hf-elixir calibrate"):
+        hw = HardwareProfile.detect()
+    assert hw.name == "cpu" or hw.device_type == "cuda"  # the preset, as the warning says
+    assert cache_path().read_text() == '{"name": "x", "warp_drive": 1}'  # the file is left alone
+
+
 def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):
     """The share of all CPU time counted as stolen (the eighth field of /proc/stat's cpu line)
     between the meter's start and now; None where the kernel does not count it. A

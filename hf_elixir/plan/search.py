@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -106,15 +106,72 @@ def _rcache_grid(lo: int, hi: int) -> list[int]:
     return sorted(v for v in vals if lo <= v <= hi)
 
 
+# ---------------------------------------------------------------------- compute figures
+def compute_figures(profile: ModelProfile, hw: HardwareProfile, world_size: int,
+                    efficiency: float | None = None) -> calibrate.ComputeFigures:
+    """The figures one rank's compute is priced with: the calibrated ones, at ``efficiency``
+    when this model's own was measured, else at the calibrated one for its width."""
+    figs = hw.compute_figures(min(world_size, hw.gpus_per_node))
+    if efficiency is not None:
+        return replace(figs, efficiency=efficiency)
+    return figs.for_width(profile.hidden_size)
+
+
+def local_device_type() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def model_efficiency(mode: float | str, model: Any, profile: ModelProfile, hw: HardwareProfile,
+                     world_size: int, compute_dtype: str) -> dict[str, Any]:
+    """What the plan's compute is priced at, and where that figure comes from.
+
+    ``mode``: a number (taken as it is), ``"calibrated"`` (the calibration's width curve),
+    ``"measure"`` (time this model here), or ``"auto"``: measure when ``hw`` holds figures
+    calibrated on a machine of this kind, since only then are the model's timings and the
+    prices comparable. Returns ``{"value": float | None, "source": str, ...details}``.
+    """
+    from hf_elixir import model_efficiency as measuring
+
+    if isinstance(mode, (int, float)) and not isinstance(mode, bool):
+        if mode <= 0:
+            raise PlanError(f"efficiency must be a positive number, got {mode}")
+        return {"value": float(mode), "source": "given"}
+    if mode not in ("auto", "measure", "calibrated"):
+        raise PlanError(f"efficiency must be a number, 'auto', 'measure' or 'calibrated'; got {mode!r}")
+    local = bool(hw.compute) and hw.device_type == local_device_type()
+    if mode == "calibrated" or (mode == "auto" and not local):
+        return {"value": None, "source": "calibrated"}
+    if not local:
+        raise PlanError(
+            f"efficiency='measure' times the model on this machine, but the hardware profile "
+            f"{hw.name!r} is not a calibration of it (a {local_device_type()} machine): run "
+            "`hf-elixir calibrate` and plan with HardwareProfile.detect(), or pass efficiency='calibrated'"
+        )
+    figs = hw.compute_figures(min(world_size, hw.gpus_per_node))
+    priced = sum(calibrate.price(w, figs, compute_dtype, efficiency=1.0) for w in profile.plain.trace.work)
+    device = torch.device("cuda", torch.cuda.current_device()) if hw.device_type == "cuda" else torch.device("cpu")
+    found = measuring.measure(model, (profile.batch_size, profile.seq_len), figs, device, compute_dtype,
+                              ranks_per_node=min(world_size, hw.gpus_per_node), priced_whole=priced,
+                              device_memory=hw.device_memory)
+    if found is None:
+        return {"value": None, "source": "calibrated"}
+    return {"value": found.efficiency, "source": "measured", **found.as_dict()}
+
+
 # ---------------------------------------------------------------------- enumeration
 def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size: int,
-                         compute_dtype: str, optimizer: str) -> tuple[list[Candidate], dict]:
-    """Every candidate with its predicted memory and time (independent of the budget)."""
+                         compute_dtype: str, optimizer: str,
+                         efficiency: float | None = None) -> tuple[list[Candidate], dict]:
+    """Every candidate with its predicted memory and time (independent of the budget).
+
+    ``efficiency``: this model's measured compute efficiency (``model_efficiency``); None
+    takes the calibrated one for the model's width.
+    """
     sizes = {p.name: p.numel for p in profile.params}
     order = profile.param_order()
     cb = cost.DTYPE_BYTES[compute_dtype]
     ranks_per_node = min(world_size, hw.gpus_per_node)
-    figs = hw.compute_figures(ranks_per_node).for_width(profile.hidden_size)
+    figs = compute_figures(profile, hw, world_size, efficiency)
     # each fetch event: its operators, plus what the runtime's hooks cost around them
     price = lambda w: calibrate.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
     frozen = profile.frozen_bytes + profile.buffer_bytes
@@ -256,6 +313,7 @@ def plan(
     memory_budget: int | str | None = None,
     profile: ModelProfile | None = None,
     alternatives: int = 5,
+    efficiency: float | str = "auto",
 ) -> ElixirPlan:
     """Profile ``model`` on the meta device and return the fastest plan that fits.
 
@@ -269,6 +327,13 @@ def plan(
         optimizer: "adamw", "adam" or "sgd" (with momentum).
         memory_budget: bytes (or "24GiB") per device the plan may use; default the device memory.
         profile: a ``ModelProfile`` to reuse (must match model, batch and dtype).
+        efficiency: how the step's compute is priced against the per-operator figures.
+            ``"auto"``: when ``hardware`` is a calibration of this machine, the model is
+            timed here at its micro-batch with every local rank busy (a few seconds, up to
+            about a minute for a large CPU model; ``hf_elixir.model_efficiency``), else the
+            calibrated efficiency for its width is used. ``"measure"`` always times it,
+            ``"calibrated"`` never does, and a number is taken as the efficiency. The plan's
+            ``predictions["compute_efficiency"]`` says which was used.
 
     Raises:
         PlanError: nothing fits; says the smallest per-device memory that would and the largest
@@ -288,8 +353,10 @@ def plan(
         profile = profile_model(model, example_batch, dtype=compute_dtype,
                                 attention_target=hw.device_type)
     t_prof = time.perf_counter() - t0
+    measured = model_efficiency(efficiency, model, profile, hw, W, compute_dtype)
+    measured["used"] = compute_figures(profile, hw, W, measured["value"]).efficiency
 
-    cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer)
+    cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer, measured["value"])
     all_cands = cands
     if hw.device_type == "cuda":  # offloaded state must fit in the node's host memory
         host = lambda c: _host_bytes(c, W, compute_dtype, optimizer) * min(W, hw.gpus_per_node)  # noqa: E731
@@ -312,7 +379,8 @@ def plan(
         raise _infeasible(profile, model, example_batch, cands, budget, hw, W, compute_dtype, optimizer)
     best = fitting[-1]
     timing = {"candidates": len(cands), "profile_seconds": t_prof,
-              "search_seconds": time.perf_counter() - t0 - t_prof}
+              "search_seconds": time.perf_counter() - t0 - t_prof - measured.get("seconds", 0.0),
+              "compute_efficiency": measured}
     result = materialize(best, packings[best.chunk_size], profile, hw, W, compute_dtype, optimizer,
                          budget, extra=timing)
     result.alternatives = _alternatives(best, cands, path, budget, alternatives)
@@ -391,12 +459,13 @@ def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: Hardwar
                     optimizer: str = "adamw") -> list[ElixirPlan]:
     """The chosen plan's runners-up (``chosen.alternatives``) as runnable plans.
 
-    Each is re-evaluated by the same cost model, so its predictions are the ones the search
-    compared; the budget is the chosen plan's.
+    Each is re-evaluated by the same cost model, at the compute efficiency the search used,
+    so its predictions are the ones the search compared; the budget is the chosen plan's.
     """
     hw = _resolve_hardware(hardware, chosen.world_size)
     W, dtype = chosen.world_size, chosen.compute_dtype
-    cands, packings = enumerate_candidates(profile, hw, W, dtype, optimizer)
+    efficiency = chosen.predictions.get("compute_efficiency", {}).get("value")
+    cands, packings = enumerate_candidates(profile, hw, W, dtype, optimizer, efficiency)
     keyed = {_signature(c): c for c in cands}
     out = []
     for alt in chosen.alternatives:

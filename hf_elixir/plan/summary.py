@@ -63,6 +63,9 @@ def summary(plan) -> str:
             f"budget; step {p['step_time_s'] * 1e3:.1f} ms"
             + (f", {p['tokens_per_s']:.0f} tokens/s" if p.get("tokens_per_s") else "")
         )
+        eff = p.get("compute_efficiency")
+        if eff:
+            lines.append(f"  compute priced at {_efficiency_source(eff)}")
         lines.append("")
         lines.append("  memory per device:")
         mem = p.get("memory", {})
@@ -90,6 +93,19 @@ def summary(plan) -> str:
                      f"optimizer offload {plan.offload_fraction():.0%} (no predictions recorded)")
     lines.extend(_notes(plan))
     return "\n".join(lines)
+
+
+def _efficiency_source(eff: dict[str, Any]) -> str:
+    """Where the efficiency the compute was priced at came from, in words."""
+    used = f"{eff.get('used', eff.get('value')):.2f}x the per-operator figures"
+    if eff.get("source") == "measured":
+        timed = eff["blocks_timed"]
+        what = "the whole model" if timed == [eff["blocks"]] else f"copies with {' and '.join(map(str, timed))} of its {eff['blocks']} blocks"
+        return (f"{used}: measured on this machine ({what}, {eff['ranks']} rank(s) busy: "
+                f"{eff['measured_s'] * 1e3:.1f} ms against {eff['priced_s'] * 1e3:.1f} ms priced, in {eff['seconds']:.1f} s)")
+    if eff.get("source") == "given":
+        return f"{used} (given)"
+    return f"{used} (calibrated for the model's width)"
 
 
 def _notes(plan) -> list[str]:
