@@ -43,7 +43,9 @@ every one of them and records, per plan:
 Budgets: "roomy" fits the fastest candidate; "tight" is just above the smallest candidate's
 peak; "medium" lies between them on the planner's selection chain. Each model is planned
 with a calibration of this machine made just before its plans run (``hf-elixir
-calibrate``, about 45 s; ``--no-calibrate`` plans with the cached one instead).
+calibrate``, about 45 s; ``--no-calibrate`` plans with the cached one instead), and its
+compute is priced at its own efficiency, timed once on two busy ranks as ``hfe.plan``
+times it (``hf_elixir.model_efficiency``; recorded under ``compute_efficiency``).
 Results: benchmarks/results/bench_planner.json and bench_planner.png.
 """
 
@@ -135,16 +137,19 @@ def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) ->
 
 
 def candidates_for(name: str, hw) -> tuple:
-    """One model's profile, the hardware at world size 2, and every candidate the planner
-    enumerates for it (with the chunk packings by chunk size)."""
+    """One model's profile, the hardware at world size 2, every candidate the planner
+    enumerates for it (with the chunk packings by chunk size), and the compute efficiency
+    they are priced at: the model timed once, as ``hfe.plan`` times it, for all budgets."""
     import hf_elixir as hfe
     from hf_elixir.plan import search
 
     profile = hfe.profile_model(config_for(name), BATCH, dtype="float32", attention_target="cpu",
                                 model_name=name)
     hw_w = search._resolve_hardware(hw, WORLD)
-    cands, packings = search.enumerate_candidates(profile, hw_w, WORLD, profile.dtype, "adamw")
-    return profile, hw_w, cands, packings
+    efficiency = search.model_efficiency("auto", config_for(name), profile, hw_w, WORLD, profile.dtype)
+    print(f"{name}: compute priced at {efficiency}", flush=True)
+    cands, packings = search.enumerate_candidates(profile, hw_w, WORLD, profile.dtype, "adamw", efficiency["value"])
+    return profile, hw_w, cands, packings, efficiency
 
 
 def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]:
@@ -153,11 +158,13 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
     import hf_elixir as hfe
     from hf_elixir.plan import search
 
-    profile, hw_w, cands, packings = candidates_for(name, hw)
+    profile, hw_w, cands, packings, efficiency = candidates_for(name, hw)
     out = []
     for label, budget in budgets(cands).items():
         chosen = hfe.plan(config_for(name), BATCH, hardware=hw, world_size=WORLD, dtype="fp32",
-                          memory_budget=budget, profile=profile, alternatives=alternatives)
+                          memory_budget=budget, profile=profile, alternatives=alternatives,
+                          efficiency=efficiency["value"] or "calibrated")
+        chosen.predictions["compute_efficiency"] = efficiency
         alts = search.candidate_plans(chosen, profile, hw)
         taken = {candidate_work(p) for p in [chosen] + alts}
         extra = spread(profile, hw_w, cands, packings, budget, taken, spread_count)
@@ -174,7 +181,7 @@ def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
     ``hw``. Each budget keeps the earlier run's verdict of which plans fit it."""
     from hf_elixir.plan import search
 
-    profile, hw_w, cands, packings = candidates_for(name, hw)
+    profile, hw_w, cands, packings, _ = candidates_for(name, hw)
     by_sig = {search._signature(c): c for c in cands}
     rows = [r for r in earlier if r["model"] == name]
     # every plan that fitted a budget then fits it now; every other plan does not
@@ -698,7 +705,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     t0 = time.perf_counter()
-    rows, hardware = [], {}
+    rows, hardware, efficiency = [], {}, {}
     for m in args.models:
         # calibrated minutes before its plans run: this VM's speed drifts by 10-30% over an
         # hour (DDP's own GPT-2 30M step: 1.13 s one session, 1.33 s and 0.95 s the next),
@@ -710,11 +717,14 @@ def main() -> None:
         # measurably slower (Llama-60M after 34 plans: 1.3-2.2 s a step; fresh: 1.2-1.5 s)
         rows += run_all(entries, args)
         hardware[m] = hw.to_dict() if hasattr(hw, "to_dict") else hw.name
+        efficiency[m] = next((e["plan"]["predictions"].get("compute_efficiency") for e in entries
+                              if e["role"] == "chosen"), None)
     summary = summarise(rows)
     if earlier:
         between_runs(summary, earlier)
         summary["replay_of"] = args.replay
     summary["hardware"] = hardware
+    summary["compute_efficiency"] = efficiency
     summary["seconds"] = time.perf_counter() - t0
     for model, s in summary["models"].items():
         print(f"{model}: spearman {s['spearman_step_time']:.2f}, max |step error| "
