@@ -19,6 +19,7 @@ OPTION_HELP = {
     "activation_checkpointing": "auto, on or off",
     "batch_size": "per-device micro-batch to plan for (default: the first training batch)",
     "seq_len": "sequence length to plan for (default: the first training batch)",
+    "efficiency": "how compute is priced: auto (time the model on this calibrated machine), measure, calibrated or a number",
 }
 
 

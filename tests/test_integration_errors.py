@@ -39,6 +39,8 @@ def clean_env(monkeypatch):
     ({"rcache_blocks": 2.5}, "not a whole number"),
     ({"gpu_memory": "lots"}, "gpu_memory"),
     ({"hardware": "abacus"}, "unknown hardware preset"),
+    ({"efficiency": "quick"}, "efficiency"),
+    ({"efficiency": -1}, "positive number"),
     ({"plan": "/no/such/plan.json"}, "hf-elixir plan"),
     ({"ofload": "all"}, "unknown elixir option"),
 ])
@@ -55,6 +57,8 @@ def test_plugin_reads_environment(monkeypatch) -> None:
     assert plugin.pinned == {"rcache_blocks": 3, "offload": 0.5, "activation_checkpointing": "on"}
     env = plugin.to_env()
     assert env["ACCELERATE_USE_ELIXIR"] == "true" and env["ELIXIR_OFFLOAD"] == "0.5"
+    monkeypatch.setenv("ELIXIR_EFFICIENCY", "1.25")
+    assert ElixirPlugin().efficiency == 1.25 and ElixirPlugin(efficiency="Calibrated").efficiency == "calibrated"
     monkeypatch.setenv("ELIXIR_SEQ_LEN", "long")
     with pytest.raises(ElixirConfigError, match="seq_len"):
         ElixirPlugin()

@@ -99,6 +99,7 @@ def make_plan(
         dtype=dtype,
         optimizer=optimizer,
         memory_budget=plugin.gpu_memory,
+        efficiency=plugin.efficiency,
     )
 
 

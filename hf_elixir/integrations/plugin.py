@@ -25,6 +25,7 @@ TRUE = ("1", "true", "yes", "on")
 FALSE = ("0", "false", "no", "off", "")
 OFFLOAD_WORDS = ("auto", "none", "all")
 CHECKPOINTING_WORDS = ("auto", "on", "off")
+EFFICIENCY_WORDS = ("auto", "measure", "calibrated")
 
 
 class ElixirConfigError(ValueError):
@@ -68,6 +69,10 @@ class ElixirPlugin:
             notion of a partly fixed plan.
         batch_size, seq_len: the per-device micro-batch to plan for; default: the shape of the
             training data loader's first batch.
+        efficiency: how the search prices the model's compute (``hfe.plan``'s argument):
+            "auto" (default: every rank times the model for a few seconds before planning,
+            when the hardware is this machine's calibration), "measure", "calibrated" (no
+            timing) or a number.
     """
 
     plan: Optional[str] = None
@@ -79,6 +84,7 @@ class ElixirPlugin:
     activation_checkpointing: Optional[str] = None
     batch_size: Optional[int] = None
     seq_len: Optional[int] = None
+    efficiency: Optional[Union[str, float]] = None
     _from_env: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -97,6 +103,7 @@ class ElixirPlugin:
         self.rcache_blocks = _number("rcache_blocks", self.rcache_blocks, int, minimum=1)
         self.batch_size = _number("batch_size", self.batch_size, int, minimum=1)
         self.seq_len = _number("seq_len", self.seq_len, int, minimum=1)
+        self.efficiency = _efficiency(self.efficiency if self.efficiency is not None else "auto")
         if self.gpu_memory is not None:
             try:
                 parse_memory(self.gpu_memory)
@@ -209,6 +216,20 @@ def _offload(value: Union[str, float]) -> Union[str, float]:
             "or a fraction between 0 and 1"
         )
     return fraction
+
+
+def _efficiency(value: Union[str, float]) -> Union[str, float]:
+    if isinstance(value, str) and value.strip().lower() in EFFICIENCY_WORDS:
+        return value.strip().lower()
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        number = None
+    if number is None or not number > 0:
+        raise ElixirConfigError(
+            f"elixir option efficiency: {value!r} is not one of {', '.join(EFFICIENCY_WORDS)} or a positive number"
+        )
+    return number
 
 
 def _checkpointing(value: Union[str, bool]) -> str:
