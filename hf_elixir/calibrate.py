@@ -591,22 +591,20 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / slope, latency
 
 
-def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | None:
-    """Run ``_pair_worker`` in two processes; None when no pair can be made (one GPU)."""
+def run_local_ranks(worker: Callable, args: tuple, ranks: int, timeout: float,
+                    cpu: bool = True) -> tuple[object | None, list[int | None]]:
+    """Run ``worker(rank, ranks, port, *args, queue)`` in ``ranks`` spawned processes on this
+    machine (``port`` free for their process group; CPU ranks start as ``hf-elixir launch``
+    starts them); what rank 0 put on the queue (None when nothing) and the exit codes."""
     import torch.multiprocessing as mp
 
-    cuda = torch.cuda.is_available()
-    if cuda and torch.cuda.device_count() < 2:
-        return None
-    backend = "nccl" if cuda else "gloo"
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_pair_worker, args=(r, 2, port, quick, backend, q)) for r in range(2)]
-    # CPU ranks start as hf-elixir launch starts them (runtime/host_memory.py)
-    with spawning_cpu_ranks(enabled=backend == "gloo"):
+    procs = [ctx.Process(target=worker, args=(r, ranks, port, *args, q)) for r in range(ranks)]
+    with spawning_cpu_ranks(enabled=cpu):
         for p in procs:
             p.start()
     deadline = time.monotonic() + timeout
@@ -615,12 +613,20 @@ def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | No
     for p in procs:
         if p.is_alive():
             p.kill()
-    if q.empty():
-        codes = [p.exitcode for p in procs]
+    return (None if q.empty() else q.get()), [p.exitcode for p in procs]
+
+
+def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | None:
+    """Run ``_pair_worker`` in two processes; None when no pair can be made (one GPU)."""
+    cuda = torch.cuda.is_available()
+    if cuda and torch.cuda.device_count() < 2:
+        return None
+    backend = "nccl" if cuda else "gloo"
+    result, codes = run_local_ranks(_pair_worker, (quick, backend), 2, timeout, cpu=backend == "gloo")
+    if result is None:
         warnings.warn(f"hf_elixir calibrate: the two-process measurement failed (exit codes {codes}); "
                       "collectives and per-rank compute keep their previous figures", stacklevel=2)
-        return None
-    return q.get()
+    return result
 
 
 def sharing(ranks_per_node: int) -> str:

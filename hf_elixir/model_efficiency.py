@@ -10,7 +10,8 @@ backward at the planned micro-batch, on the planned device, with every rank of t
 as in training, against the same model's price from its meta trace. The ratio replaces the
 calibrated width curve for this plan.
 
-A model whose step is cheap enough is timed whole. A larger one is timed with one and with
+The copies timed take turns step by step, so that a drift of the machine's speed falls on
+each alike. A model whose step is cheap enough is timed whole. A larger one is timed with one and with
 two of its transformer blocks (the longest ``nn.ModuleList`` of same-class modules) and the
 whole step is extrapolated: ``efficiency = (m1 + (L-1)(m2-m1)) / (p1 + (L-1)(p2-p1))`` for
 measured ``m`` and priced ``p`` over ``L`` blocks.
@@ -27,7 +28,6 @@ Where the ranks run:
 from __future__ import annotations
 
 import copy
-import socket
 import statistics
 import time
 import warnings
@@ -165,33 +165,40 @@ def step_work(model: nn.Module, batch_shape: tuple[int, int], target: str) -> Ev
     return work
 
 
-def time_steps(model: nn.Module, batch_shape: tuple[int, int], before: Callable[[], object] | None = None,
-               repeat: int = REPEAT) -> float:
-    """Median seconds of ``repeat`` forward-and-backward steps after one warm-up.
-
-    ``before`` runs ahead of each step, untimed (a barrier, so that ranks time together).
-    """
+def _stepper(model: nn.Module, batch_shape: tuple[int, int]) -> Callable[[], None]:
+    """One forward and backward of ``model`` on a random batch, gradients dropped after."""
     device = next(model.parameters()).device
-    sync = torch.cuda.synchronize if device.type == "cuda" else None
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
     batch = make_batch(batch_shape, vocab, device=device)
-    times = []
-    for i in range(repeat + 1):  # the first step is a warm-up
-        if before is not None:
-            before()
-        t = time.perf_counter()
+
+    def step() -> None:
         loss_of(model(**batch)).backward()
-        if sync:
-            sync()
-        if i:
-            times.append(time.perf_counter() - t)
         for p in model.parameters():
             p.grad = None
-    return statistics.median(times) if times else 0.0
+
+    return step
 
 
-def _time_all(models: list[nn.Module], batch_shape, before=None) -> list[float]:
-    return [time_steps(m, batch_shape, before) for m in models]
+def time_steps(models: list[nn.Module], batch_shape: tuple[int, int], before: Callable[[], object] | None = None,
+               repeat: int = REPEAT) -> list[float]:
+    """Median seconds of each model's forward-and-backward step over ``repeat`` rounds, after
+    a warm-up round; within a round the models take turns, so that a drift of the machine's
+    speed (10-30% within minutes on a shared VM) falls on each alike. ``before`` runs ahead of
+    each step, untimed (a barrier, so that ranks time together)."""
+    steps = [_stepper(m, batch_shape) for m in models]
+    sync = torch.cuda.synchronize if any(next(m.parameters()).device.type == "cuda" for m in models) else None
+    times: list[list[float]] = [[] for _ in models]
+    for i in range(repeat + 1):  # the first round is a warm-up
+        for step, out in zip(steps, times):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            step()
+            if sync:
+                sync()
+            if i:
+                out.append(time.perf_counter() - t)
+    return [statistics.median(t) if t else 0.0 for t in times]
 
 
 # ---------------------------------------------------------------------- where the ranks run
@@ -218,7 +225,7 @@ def _time_in_job(models: list[nn.Module], batch_shape) -> list[float]:
     """Every rank of the running job times its copies at once; the mean over ranks."""
     import torch.distributed as dist
 
-    times = torch.tensor(_time_all(models, batch_shape, before=dist.barrier), dtype=torch.float64)
+    times = torch.tensor(time_steps(models, batch_shape, before=dist.barrier), dtype=torch.float64)
     if dist.get_backend() == "nccl":
         times = times.cuda()
     dist.all_reduce(times)
@@ -242,32 +249,12 @@ def _pair_worker(rank: int, world: int, port: int, models, batch_shape, out) -> 
 
 
 def _time_spawned(models: list[nn.Module], batch_shape, ranks: int, timeout: float) -> list[float] | None:
-    """``ranks`` CPU processes, one thread each, time the copies at once (rank 0's mean)."""
-    import torch.multiprocessing as mp
-
-    from hf_elixir.runtime.host_memory import spawning_cpu_ranks
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_pair_worker, args=(r, ranks, port, models, batch_shape, q)) for r in range(ranks)]
-    with spawning_cpu_ranks():
-        for p in procs:
-            p.start()
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(timeout=max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    if q.empty():
-        warnings.warn(f"hf_elixir: timing the model in {ranks} processes failed (exit codes "
-                      f"{[p.exitcode for p in procs]}); its plan is priced with the calibrated "
-                      "efficiency instead", stacklevel=3)
-        return None
-    return q.get()
+    """``ranks`` CPU processes, one thread each, time the copies at once (the mean over ranks)."""
+    times, codes = calibrate.run_local_ranks(_pair_worker, (models, batch_shape), ranks, timeout)
+    if times is None:
+        warnings.warn(f"hf_elixir: timing the model in {ranks} processes failed (exit codes {codes}); "
+                      "its plan is priced with the calibrated efficiency instead", stacklevel=3)
+    return times
 
 
 # ---------------------------------------------------------------------- entry point
@@ -307,7 +294,7 @@ def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.
                 trial = reduced_copy(source, k, device, torch_dtype)
                 prices.append(calibrate.price(step_work(trial, batch_shape, device.type), figs, dtype,
                                               efficiency=1.0))
-                time_steps(trial, batch_shape, repeat=0)
+                time_steps([trial], batch_shape, repeat=0)
                 del trial
             # fresh copies for the timing: some models keep tensors of their last step as
             # attributes, which neither a deep copy nor a spawned process can take
@@ -330,7 +317,7 @@ def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.
         if times is None:
             return None
     else:
-        times, ranks = _time_all(models, batch_shape), 1
+        times, ranks = time_steps(models, batch_shape), 1
     if whole:
         m, p = times[0], prices[0]
     else:

@@ -15,7 +15,7 @@ import json
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
 
@@ -204,31 +204,24 @@ def env_name(option: str) -> str:
 
 
 def _offload(value: Union[str, float]) -> Union[str, float]:
-    if isinstance(value, str) and value.strip().lower() in OFFLOAD_WORDS:
-        return value.strip().lower()
-    try:
-        fraction = float(value)
-    except (TypeError, ValueError):
-        fraction = None
-    if fraction is None or not 0.0 <= fraction <= 1.0:
-        raise ElixirConfigError(
-            f"elixir option offload: {value!r} is not one of {', '.join(OFFLOAD_WORDS)} "
-            "or a fraction between 0 and 1"
-        )
-    return fraction
+    return _word_or_number("offload", value, OFFLOAD_WORDS, lambda f: 0.0 <= f <= 1.0, "a fraction between 0 and 1")
 
 
 def _efficiency(value: Union[str, float]) -> Union[str, float]:
-    if isinstance(value, str) and value.strip().lower() in EFFICIENCY_WORDS:
+    return _word_or_number("efficiency", value, EFFICIENCY_WORDS, lambda f: f > 0, "a positive number")
+
+
+def _word_or_number(name: str, value: Any, words: tuple[str, ...], valid: Callable[[float], bool],
+                    expected: str) -> Union[str, float]:
+    """One of ``words`` (any case) or a number ``valid`` accepts, else an error naming both."""
+    if isinstance(value, str) and value.strip().lower() in words:
         return value.strip().lower()
     try:
         number = float(value)
     except (TypeError, ValueError):
         number = None
-    if number is None or not number > 0:
-        raise ElixirConfigError(
-            f"elixir option efficiency: {value!r} is not one of {', '.join(EFFICIENCY_WORDS)} or a positive number"
-        )
+    if number is None or not valid(number):
+        raise ElixirConfigError(f"elixir option {name}: {value!r} is not one of {', '.join(words)} or {expected}")
     return number
 
 
