@@ -458,23 +458,27 @@ class _MiniLM(nn.Module):
         self.norm = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
 
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        logits = self.head(self.norm(self.block(self.embed(ids))))
-        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), ids.flatten())
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        labels = input_ids if labels is None else labels
+        logits = self.head(self.norm(self.block(self.embed(input_ids))))
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
 
 
-def _lm_work(model: nn.Module, shape: tuple[int, int], target: str):
-    """The model's forward and backward as the profiler prices it on meta (one EventWork)."""
-    from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode
-    from hf_elixir.profile.trace import EventWork, build_meta_model
+def step_work(model: nn.Module, batch_shape: tuple[int, int], target: str):
+    """The forward and backward of ``model`` on a ``batch_shape`` batch of ``input_ids``, as
+    the profiler prices it on the meta device (one ``EventWork`` for the whole step)."""
+    from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode, loss_of
+    from hf_elixir.profile.trace import EventWork, build_meta_model, make_batch
 
     meta = build_meta_model(model)
-    ids = torch.empty(shape, dtype=torch.long, device="meta")
+    meta.train()
+    vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
+    batch = make_batch(batch_shape, vocab, device="meta")
     work = EventWork()
     tracker = LiveStorageTracker()
     tracker.on_op = work.add
     with SDPAKernelMode(target), tracker:
-        meta(ids).backward()
+        loss_of(meta(**batch)).backward()
     return work
 
 
@@ -505,7 +509,7 @@ def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None,
                 p.grad = None
 
         measured = median_time(step, sync=sync)
-        priced = price(_lm_work(model, (b, s), device.type), figs, "float32", efficiency=1.0)
+        priced = price(step_work(model, (b, s), device.type), figs, "float32", efficiency=1.0)
         curve.append([float(h), measured / priced])
     return curve
 

@@ -38,8 +38,8 @@ import torch
 from torch import nn
 
 from hf_elixir import calibrate
-from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode, loss_of
-from hf_elixir.profile.trace import EventWork, _torch_dtype, build_meta_model, make_batch
+from hf_elixir.profile.memory import loss_of
+from hf_elixir.profile.trace import _torch_dtype, build_meta_model, make_batch
 
 #: a model whose priced step (on this device) is at most this many seconds is timed whole
 WHOLE_STEP_SECONDS = 1.0
@@ -150,21 +150,6 @@ def _source(model_or_config: Any, whole: bool) -> nn.Module:
 
 
 # ---------------------------------------------------------------------- pricing and timing
-def step_work(model: nn.Module, batch_shape: tuple[int, int], target: str) -> EventWork:
-    """The forward and backward of ``model`` on a ``batch_shape`` batch, as the profiler
-    prices it on the meta device (one ``EventWork`` for the whole step)."""
-    meta = build_meta_model(model)
-    meta.train()
-    vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
-    batch = make_batch(batch_shape, vocab, device="meta")
-    work = EventWork()
-    tracker = LiveStorageTracker()
-    tracker.on_op = work.add
-    with SDPAKernelMode(target), tracker:
-        loss_of(meta(**batch)).backward()
-    return work
-
-
 def _stepper(model: nn.Module, batch_shape: tuple[int, int]) -> Callable[[], None]:
     """One forward and backward of ``model`` on a random batch, gradients dropped after."""
     device = next(model.parameters()).device
@@ -292,7 +277,7 @@ def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.
             prices = []
             for k in keeps:  # priced, then one step: a copy that cannot train is not timed
                 trial = reduced_copy(source, k, device, torch_dtype)
-                prices.append(calibrate.price(step_work(trial, batch_shape, device.type), figs, dtype,
+                prices.append(calibrate.price(calibrate.step_work(trial, batch_shape, device.type), figs, dtype,
                                               efficiency=1.0))
                 time_steps([trial], batch_shape, repeat=0)
                 del trial
