@@ -67,6 +67,10 @@ class HardwareProfile:
             machine while it was calibrated (``hf_elixir.steal``); None for presets or where
             the kernel does not count it. Figures measured under steal price plans slower
             than the machine runs when its host is quiet.
+        comm_overlap: on a CPU whose cores all run ranks, the share of a collective's time
+            that still hides behind compute running beside it, by kind (``"gather"``: the
+            runtime's chunk gather, ``"reduce"``: its gradient reduction); measured by
+            ``calibrate()``, empty (nothing hides) for presets. Idle cores take the rest.
         sources: field name -> datasheet / published measurement / estimate / measured.
     """
 
@@ -91,6 +95,7 @@ class HardwareProfile:
     compute: dict[str, dict] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)
     calibration_steal: float | None = None
+    comm_overlap: dict[str, float] = field(default_factory=dict)
 
     # ------------------------------------------------------------------ derived
     @property
@@ -142,7 +147,8 @@ class HardwareProfile:
                      device_memory: int | None = None) -> "HardwareProfile":
         """A copy with another cluster shape or device memory."""
         out = replace(self, sources=dict(self.sources), matmul_flops=dict(self.matmul_flops),
-                      compute={k: dict(v) for k, v in self.compute.items()})
+                      compute={k: dict(v) for k, v in self.compute.items()},
+                      comm_overlap=dict(self.comm_overlap))
         if gpus_per_node is not None:
             out.gpus_per_node = int(gpus_per_node)
         if nodes is not None:

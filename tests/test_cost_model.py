@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_elixir as hfe
 from hf_elixir.calibrate import ComputeFigures, price
-from hf_elixir.plan import cost, search
+from hf_elixir.plan import cost, fetches, search
 from hf_elixir.profile import profile_model
 from hf_elixir.profile.trace import EventWork
 
@@ -153,22 +153,44 @@ def test_the_post_backward_sequence_is_priced_at_its_measured_rate():
     assert cost.after_backward(1e8, older, hw, 1) == pytest.approx(3 * 4e8 / 1e10 + 1e8 / 2e9)
 
 
-def test_cpu_ranks_sharing_every_core_cannot_hide_communication():
-    hw = hfe.HardwareProfile.preset("cpu").with_cluster(gpus_per_node=2)
-    figs = ComputeFigures(threads=1)
+def _ops(events: list[tuple[str, str]], chunk_of_module: dict[str, int]):
+    """Fetch requests of a trace whose modules each pin one chunk around their event."""
+    pins = [x for _, m in events for x in (("pin", m), ("unpin", m))]
+    params = {m: [m] for m in chunk_of_module}
+    return fetches.fetch_ops(pins, params, dict(chunk_of_module), events)
+
+
+def test_communication_hides_behind_compute_by_the_measured_share():
+    """A GPU runs collectives beside compute; CPU ranks that fill every core hide only the
+    share calibration measured (``HardwareProfile.comm_overlap``), idle cores the rest. The
+    simulated step grows linearly with the share that does not hide."""
     import os
 
+    figs = ComputeFigures(threads=1)
+    hw = hfe.HardwareProfile.preset("cpu").with_cluster(gpus_per_node=2)
+    idle = max(0.0, 1.0 - 2 / (os.cpu_count() or 1))
     links = cost.Links.of(hw, 2, figs)
-    assert links.overlap == max(0.0, 1.0 - 2 / (os.cpu_count() or 1))
+    assert links.gather_overlap == links.reduce_overlap == idle  # a preset measured nothing
+    hw.comm_overlap = {"gather": 0.6, "reduce": 0.2}
+    measured = cost.Links.of(hw, 2, figs)
+    assert measured.gather_overlap == pytest.approx(idle + (1 - idle) * 0.6)
+    assert measured.reduce_overlap == pytest.approx(idle + (1 - idle) * 0.2)
     gpu = cost.Links.of(hfe.HardwareProfile.preset("a100-80g").with_cluster(gpus_per_node=2), 2, figs)
-    assert gpu.overlap == 1.0
-    seq = [cost.Access("forward", "a", (0,), 1.0), cost.Access("forward", "b", (1,), 1.0),
-           cost.Access("backward", "b", (1,), 2.0), cost.Access("backward", "a", (0,), 2.0)]
-    misses = [(0,), (1,), (), ()]  # b's gather can run during a's forward
-    hidden = cost.simulate(seq, misses, [1e9, 1e9], 2, gpu, prefetch=1)
-    serial = cost.simulate(seq, misses, [1e9, 1e9], 2, cost.Links(**{**vars(gpu), "overlap": 0.0}), prefetch=1)
-    assert serial.backward_end == pytest.approx(hidden.compute + hidden.comm_busy)
-    assert hidden.backward_end < serial.backward_end
+    assert gpu.gather_overlap == gpu.reduce_overlap == 1.0
+
+    events = [("forward", "a"), ("forward", "b"), ("backward", "b"), ("backward", "a")]
+    seq = [cost.Access(ph, m, ({"a": 0, "b": 1}[m],), s) for (ph, m), s in zip(events, (1.0, 1.0, 2.0, 2.0))]
+    ahead = fetches.replay(_ops(events, {"a": 0, "b": 1}), 2, 2, 1, 2)  # b's gather starts at a's fetch
+    assert ahead.fetches[0].ahead == (1,) and ahead.fetches[1].waits == (1,)
+
+    def end(g: float, r: float) -> float:
+        return cost.simulate(seq, ahead, [1e9, 1e9], 2, replace(gpu, gather_overlap=g, reduce_overlap=r)).backward_end
+
+    serial = cost.simulate(seq, ahead, [1e9, 1e9], 2, replace(gpu, gather_overlap=0.0, reduce_overlap=0.0))
+    assert serial.backward_end == pytest.approx(serial.compute + serial.comm_busy)
+    assert end(1.0, 1.0) < end(0.0, 1.0) < serial.backward_end
+    assert end(1.0, 1.0) < end(1.0, 0.0) < serial.backward_end
+    assert end(0.5, 0.5) == pytest.approx((end(0.0, 0.0) + end(1.0, 1.0)) / 2)
 
 
 def _work(c) -> tuple:

@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from hf_elixir.hardware import GiB, HardwareProfile
-from hf_elixir.plan.cost import belady_misses, Access, pack
+from hf_elixir.plan import fetches
+from hf_elixir.plan.cost import pack
 from hf_elixir.plan.plan import PlanError
 from hf_elixir.plan.search import OFFLOAD_MARGIN, plan
 from hf_elixir.plan.summary import summary
@@ -131,12 +132,15 @@ def test_plan_records_predictions_alternatives_and_summary(llama):
         p.validate(model, world_size=3)
 
 
-def test_belady_replay_counts_regathers():
-    seq = [Access("forward", str(i), (i,), 1.0) for i in range(4)] + \
-          [Access("backward", str(i), (i,), 2.0) for i in reversed(range(4))]
-    assert sum(len(m) for m in belady_misses(seq, 4, 4)) == 4  # every chunk cached: gathered once
-    assert sum(len(m) for m in belady_misses(seq, 4, 3)) == 5  # one re-gather (chunk 0)
-    assert sum(len(m) for m in belady_misses(seq, 4, 2)) == 6
+def test_the_fetch_replay_counts_regathers():
+    events = [("forward", str(i)) for i in range(4)] + [("backward", str(i)) for i in reversed(range(4))]
+    pins = [x for _, m in events for x in (("pin", m), ("unpin", m))]
+    ops = fetches.fetch_ops(pins, {str(i): [str(i)] for i in range(4)}, {str(i): i for i in range(4)}, events)
+    for prefetch in (0, 1, 2):
+        assert sum(fetches.replay(ops, 4, 4, prefetch, 2).gathers) == 4  # every chunk cached: gathered once
+        assert sum(fetches.replay(ops, 4, 3, prefetch, 2).gathers) == 5  # one re-gather (chunk 0)
+        assert sum(fetches.replay(ops, 4, 2, prefetch, 2).gathers) == 6
+    assert fetches.replay(ops, 4, 4, 0, 1).gathers == [0] * 4  # one rank: gathered in place
     assert pack(["a", "b", "c"], {"a": 3, "b": 2, "c": 2}, 4) == [["a"], ["b", "c"]]
 
 

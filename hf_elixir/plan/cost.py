@@ -28,14 +28,15 @@ Between two fetch events the compute stream runs the operators the profiler saw 
 of a matmul its size, every other operator by the bytes it moves plus a cost per call,
 scaled by the calibrated block efficiency. The runtime's own copies (a rank's shard into
 the gathered block, parameter gradients into the chunk's gradient buffer) run on the
-compute stream too. The chunks an event needs that are not in the rCache (a Belady replay of
-the trace decides which) are all-gathered on a communication stream beside compute, issued
-``prefetch_depth`` events ahead; a chunk's gradient is reduced on the same stream once its
-last backward user ran. On a CPU whose cores all run ranks, communication cannot hide behind
-compute (``Links.overlap``). After backward: on a GPU, chunks whose optimizer runs on the
-CPU copy their gradient shards down and updates run beside the device optimizer
-(``cpu_pipeline``); on a CPU device clipping and AdamW share the rank's cores
-(``after_backward``), and offloading costs no time: the state is in host memory already.
+compute stream too. Chunks are all-gathered on a communication stream beside compute where
+the runtime starts them (``hf_elixir.plan.fetches`` replays its fetching: on demand, or up to
+``prefetch_depth`` chunks ahead of use); a chunk's gradient is reduced on the same stream
+once its last backward user ran. On a CPU whose cores all run ranks, communication beside
+compute slows compute by the share calibration found not to hide (``Links``). After
+backward: on a GPU, chunks whose optimizer runs on the CPU copy their gradient shards down
+and updates run beside the device optimizer (``cpu_pipeline``); on a CPU device clipping
+and AdamW share the rank's cores (``after_backward``), and offloading costs no time: the
+state is in host memory already.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
 from hf_elixir.hardware import HardwareProfile
+from hf_elixir.plan.fetches import FetchReplay
 from hf_elixir.plan.plan import chunk_layout
 
 #: fraction added to the predicted bytes for fragmentation of CUDA's caching allocator
@@ -169,42 +171,6 @@ def max_span(module_params, param_chunk: dict[str, int]) -> int:
     return span
 
 
-def belady_misses(seq: Sequence[Access], n_chunks: int, blocks: int) -> list[tuple[int, ...]]:
-    """Replay the accesses against an rCache of ``blocks`` blocks with Belady eviction.
-
-    Returns, for each access, the chunks that must be gathered before it. A chunk is never
-    used again after its last access in the step (its next use is at infinity). Every
-    chunk starts uncached (parameters changed in the last optimizer step).
-    """
-    positions: list[list[int]] = [[] for _ in range(n_chunks)]
-    for i, a in enumerate(seq):
-        for c in a.chunks:
-            positions[c].append(i)
-    ptr = [0] * n_chunks
-    cache: set[int] = set()
-    inf = len(seq) + 1
-    out: list[tuple[int, ...]] = []
-
-    def next_use(c: int) -> int:
-        pos = positions[c]
-        j = ptr[c]
-        return pos[j] if j < len(pos) else inf
-
-    for i, a in enumerate(seq):
-        for c in a.chunks:
-            ptr[c] += 1  # positions[c][ptr] is now the next use after i
-        missing = [c for c in a.chunks if c not in cache]
-        for c in missing:
-            if len(cache) >= blocks:
-                victims = [x for x in cache if x not in a.chunks]
-                if not victims:  # cannot happen when blocks >= span
-                    raise ValueError("rCache smaller than one module's chunks")
-                cache.remove(max(victims, key=next_use))
-            cache.add(c)
-        out.append(tuple(missing))
-    return out
-
-
 # ---------------------------------------------------------------------- simulation
 @dataclass
 class SimResult:
@@ -263,7 +229,8 @@ class Links:
     gather_per_byte: float  # seconds per byte of a chunk all-gathered (communication stream)
     reduce_per_byte: float  # seconds per byte of a chunk's gradient reduced
     h2d_per_byte: float     # seconds per byte copied host -> device (0 on a CPU device: no copy)
-    overlap: float          # share of communication that can hide behind compute (0..1)
+    gather_overlap: float   # share of a gather's time that hides behind compute beside it (0..1)
+    reduce_overlap: float   # the same for a gradient reduction
     figs: Any = None        # the rank's ComputeFigures: the runtime's own copies are priced by them
 
     def gather(self, chunk_bytes: float) -> float:
@@ -281,34 +248,56 @@ class Links:
             reduce = (W - 1) / W / hw.reduce_rate(W)
         else:  # one rank: the block is the shard, the gradient adds into it (no copy)
             latency = gather = reduce = 0.0
-        # On a CPU the collectives run on the same cores as compute: when every core already
-        # runs a rank's thread, nothing hides behind compute. A GPU's copy engines and NCCL
-        # kernels run beside the compute kernels.
+        # A GPU's copy engines and NCCL kernels run beside the compute kernels. On a CPU the
+        # collectives run on the cores compute uses: idle cores take them whole, and on busy
+        # ones the share calibration measured hides (``HardwareProfile.comm_overlap``).
         if hw.device_type == "cpu":
             cores = os.cpu_count() or 1
-            overlap = max(0.0, 1.0 - min(W, hw.gpus_per_node) * figs.threads / cores)
+            idle = max(0.0, 1.0 - min(W, hw.gpus_per_node) * figs.threads / cores)
+            g_overlap, r_overlap = (idle + (1.0 - idle) * hw.comm_overlap.get(kind, 0.0)
+                                    for kind in ("gather", "reduce"))
         else:
-            overlap = 1.0
+            g_overlap = r_overlap = 1.0
         # an offloaded parameter shard is uploaded before its gather only where the device
         # has memory of its own: on a CPU device it is gathered from where it lies
         h2d = 0.0 if hw.device_type == "cpu" else 1.0 / hw.h2d_bandwidth
         return cls(latency=latency, gather_per_byte=gather, reduce_per_byte=reduce,
-                   h2d_per_byte=h2d, overlap=overlap, figs=figs)
+                   h2d_per_byte=h2d, gather_overlap=g_overlap, reduce_overlap=r_overlap, figs=figs)
 
 
 #: reductions the runtime keeps pending before it completes the oldest (runtime/reduce.py)
 REDUCTIONS_IN_FLIGHT = 2
 
 
-def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes: Sequence[float],
-             world_size: int, links: Links, prefetch: int,
+def _overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]]) -> float:
+    """Total length of the intersection of two lists of disjoint intervals, each sorted."""
+    total, i, j = 0.0, 0, 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if hi > lo:
+            total += hi - lo
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[float],
+             world_size: int, links: Links,
              param_cpu: set[int] | frozenset = frozenset(),
              adopted: set[int] | frozenset = frozenset()) -> SimResult:
     """Event simulation of compute and the communication stream for one step.
 
-    Besides the model's own operators, the compute stream carries the runtime's copies: a
-    rank's shard into the gathered block, and each chunk's parameter gradients into its
+    Gathers start where the runtime starts them (``fetches``, the replay of its fetching,
+    ``hf_elixir.plan.fetches``): on demand at a fetch, which waits for them; ahead of use
+    once a fetch has its chunks (prefetch), waited for by the fetch that needs them; and
+    the first ones of the step at the previous optimizer step. Besides the model's own
+    operators, the compute stream carries the runtime's copies: a rank's shard into the
+    gathered block when its gather starts, and each chunk's parameter gradients into its
     full-chunk gradient buffer (read and written once) when its last backward user ran.
+    Communication beside compute slows it by the share that does not hide
+    (``Links.gather_overlap``, ``Links.reduce_overlap``).
     The buffer lives from the chunk's first backward use until the runtime completes its
     reduction, ``REDUCTIONS_IN_FLIGHT`` reductions later; ``grad_buffers`` holds their bytes
     per access for the memory model. ``chunk_bytes``: each chunk's size as laid out
@@ -321,6 +310,7 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     """
     W = world_size
     n_chunks = len(chunk_bytes)
+    E = len(seq)
     coll = [links.gather(b) for b in chunk_bytes]
     red = [links.reduce(b) for b in chunk_bytes]
     first_bwd = [-1] * n_chunks
@@ -335,82 +325,82 @@ def simulate(seq: Sequence[Access], misses: Sequence[Sequence[int]], chunk_bytes
     for c, i in enumerate(last_bwd):
         if i >= 0:
             finishing[i].append(c)
+    demand, waits, ahead = fetches.at_events(E)
 
-    t = 0.0
     comm = 0.0
     busy = 0.0
     gathers = 0
     h2d_bytes = 0.0
+    gathered = 0.0
     copies = 0.0
-    done = [0.0] * len(seq)
-    issued = [False] * len(seq)
+    ready = [0.0] * n_chunks  # when the latest gather of each chunk completes
     rs_done = [0.0] * n_chunks
-    starts = [0.0] * len(seq)
+    spans: dict[str, list[tuple[float, float]]] = {"gather": [], "reduce": []}
+    computing: list[tuple[float, float]] = []
 
-    def issue(e: int, at: float) -> None:
-        nonlocal comm, busy, gathers, h2d_bytes
-        issued[e] = True
-        end = at
-        for c in misses[e]:
-            dur = coll[c] + (chunk_bytes[c] / W * links.h2d_per_byte if c in param_cpu else 0.0)
-            if c in param_cpu:
-                h2d_bytes += chunk_bytes[c] / W
-            start = max(comm, at)
-            comm = start + dur
-            busy += dur
-            gathers += 1
-            end = comm
-        done[e] = end
+    def on_stream(kind: str, dur: float, at: float) -> float:
+        nonlocal comm, busy
+        start = max(comm, at)
+        comm = start + dur
+        busy += dur
+        spans[kind].append((start, comm))
+        return comm
 
-    E = len(seq)
-    compute = 0.0
+    def gather(c: int, at: float) -> None:
+        nonlocal gathers, h2d_bytes, gathered
+        dur = coll[c]
+        if c in param_cpu:
+            dur += chunk_bytes[c] / W * links.h2d_per_byte
+            h2d_bytes += chunk_bytes[c] / W
+        ready[c] = on_stream("gather", dur, at)
+        gathers += 1
+        gathered += chunk_bytes[c]
+
     figs = links.figs
     # a chunk's gradient buffer is a new allocation each step; the block a shard is copied
     # into is kept in the rCache
     grad_copy = [figs.copy_seconds(b, fresh=True) if figs and c not in adopted else 0.0
                  for c, b in enumerate(chunk_bytes)]
     shard_copy = [figs.copy_seconds(b / W, fresh=False) if figs and W > 1 else 0.0 for b in chunk_bytes]
+    for c in fetches.carried:  # started by the previous step's optimizer step
+        gather(c, 0.0)
+    t = 0.0
+    compute = 0.0
     for e in range(E):
-        if not issued[e]:
-            issue(e, t)
-        start = max(t, done[e])
-        starts[e] = start
-        for f in range(e + 1, min(E, e + 1 + prefetch)):
-            if not issued[f]:
-                issue(f, start)
+        for c in demand[e]:
+            gather(c, t)
+        start = max([t] + [ready[c] for c in demand[e] + waits[e]])
+        for c in ahead[e]:
+            gather(c, start)
+        started = demand[e] + ahead[e] + (list(fetches.carried) if e == 0 else [])
         work = (seq[e].seconds + sum(grad_copy[c] for c in finishing[e])
-                + sum(shard_copy[c] for c in misses[e]))
+                + sum(shard_copy[c] for c in started))
         copies += work - seq[e].seconds
         t = start + work
+        computing.append((start, t))
         compute += work
         for c in finishing[e]:
-            s = max(comm, t)
-            comm = s + red[c]
-            busy += red[c]
-            rs_done[c] = comm
+            rs_done[c] = on_stream("reduce", red[c], t)
     for c in range(n_chunks):
         if last_bwd[c] < 0:  # never used in backward (unused parameters): reduced at the end
-            s = max(comm, t)
-            comm = s + red[c]
-            busy += red[c]
-            rs_done[c] = comm
+            rs_done[c] = on_stream("reduce", red[c], t)
     end = max(t, comm)
-    hidden = busy - (end - compute)
-    end += (1.0 - links.overlap) * max(0.0, hidden)
+    # communication the stream ran beside compute slowed compute by what did not hide
+    end += ((1.0 - links.gather_overlap) * _overlap(spans["gather"], computing)
+            + (1.0 - links.reduce_overlap) * _overlap(spans["reduce"], computing))
     # The runtime keeps REDUCTIONS_IN_FLIGHT reductions pending and completes (frees) the
     # oldest when another is issued; the rest complete when backward ends.
     issued_at = sorted((last_bwd[c], c) for c in range(n_chunks) if last_bwd[c] >= 0)
     begin = [last_bwd[c] if c in adopted else first_bwd[c] for c in range(n_chunks)]
-    spans = [(begin[c], E) for c in range(n_chunks)]
+    spans_of = [(begin[c], E) for c in range(n_chunks)]
     for j, (e_issue, c) in enumerate(issued_at):
         if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
-            spans[c] = (begin[c], max(begin[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1))
-    buffers = buffer_bytes(spans, range(n_chunks), chunk_bytes, E)
-    gathered = sum(chunk_bytes[c] for m in misses for c in m)
+            spans_of[c] = (begin[c], max(begin[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1))
+    buffers = buffer_bytes(spans_of, range(n_chunks), chunk_bytes, E)
     return SimResult(backward_end=end, compute=compute, comm_busy=busy, gathers=gathers,
                      gather_bytes=gathered * (W - 1) / max(W, 1),
                      rs_done=rs_done, h2d_param_bytes=h2d_bytes, runtime_copies=copies,
-                     grad_buffers=buffers, buffer_spans=spans,
+                     grad_buffers=buffers, buffer_spans=spans_of,
                      adopted_at={c: last_bwd[c] for c in adopted if last_bwd[c] >= 0})
 
 

@@ -32,7 +32,7 @@ from torch import nn
 
 from hf_elixir import calibrate
 from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
-from hf_elixir.plan import cost, traffic
+from hf_elixir.plan import cost, fetches, traffic
 from hf_elixir.plan.needs import rcache_minimum
 from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError, canonical_dtype, model_signature
 from hf_elixir.profile.profiler import ModelProfile, profile_model
@@ -192,6 +192,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
             step = profile.step(ckpt)
             tr = step.trace
             seq = cost.access_sequence(tr.events, tr.module_params, tr.work, param_chunk, price)
+            ops = fetches.fetch_ops(tr.pins, tr.module_params, param_chunk, tr.events)
             span = cost.max_span(tr.module_params, param_chunk)
             nested = rcache_minimum(tr.pins, tr.module_params, chunks)
             live = tr.live or [(0, step.memory.peak)] * len(seq)
@@ -201,16 +202,17 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                 r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
-                    misses = cost.belady_misses(seq, n, R)
-                    sim = cost.simulate(seq, misses, chunk_bytes, world_size, links, d, adopted=adopted)
+                    sim = cost.simulate(seq, fetches.replay(ops, n, R, d, world_size), chunk_bytes, world_size,
+                                        links, adopted=adopted)
                     cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw, ranks_per_node)
                     for k in _grid(0, n):
                         out.append(_candidate(ctx, R, d, k, 0, sim, cpu_end[k]))
                     if d == 1 and R == r_min:
                         # parameters offloaded too (with every optimizer state on the CPU)
                         for p in _grid(1, n, 16):
-                            sim_p = cost.simulate(seq, misses, chunk_bytes, world_size, links, d,
-                                                  param_cpu=frozenset(range(n - p, n)), adopted=adopted)
+                            on_host = frozenset(range(n - p, n))
+                            sim_p = cost.simulate(seq, fetches.replay(ops, n, R, d, world_size, on_host), chunk_bytes,
+                                                  world_size, links, param_cpu=on_host, adopted=adopted)
                             cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
                             out.append(_candidate(ctx, R, d, n, p, sim_p, cpu_end_p[n]))
     return out, packings
@@ -449,7 +451,8 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
     )
     # bytes on the wire, as the runtime counts them (see traffic.py)
     host = traffic.host_collectives(hw.device_type)
-    gathers = traffic.gathers_per_chunk(step.trace.pins, step.trace.module_params, chunks, c.rcache_blocks)
+    gathers = traffic.gathers_per_chunk(step.trace.pins, step.trace.module_params, chunks, c.rcache_blocks,
+                                        c.prefetch_depth, W, frozenset(range(n - c.n_param_cpu, n)))
     wire = traffic.plan_traffic(result, sizes, gathers, hw.device_type, host=host)
     result.predictions.update(traffic.predictions(wire, gathers, host))
     return result

@@ -105,49 +105,17 @@ class CommCounter:
 
 # ---------------------------------------------------------------------- gathers per step
 def gathers_per_chunk(pins: Sequence[tuple[str, str]], module_params: Mapping[str, Sequence[str]],
-                      chunks: Sequence[Sequence[str]], rcache_blocks: int) -> list[int]:
-    """Per chunk, how often one training pass gathers it: a replay of the runtime's pin
-    sequence (``Trace.pins``) against ``rcache_blocks`` blocks, every chunk stale at the start
-    (the optimizer step changed the shards), evicting the unpinned chunk whose next use is
-    furthest away (the runtime's Belady rule on its recorded trace). With a block for every
-    chunk, each chunk the pass uses is gathered exactly once."""
+                      chunks: Sequence[Sequence[str]], rcache_blocks: int, prefetch_depth: int,
+                      world_size: int, param_cpu: frozenset[int] = frozenset()) -> list[int]:
+    """Per chunk, the gathers one steady-state training step starts: the runtime's fetching
+    replayed over the traced pin sequence (``Trace.pins``; ``hf_elixir.plan.fetches``),
+    the gathers the step's optimizer step starts for the next one included. With a block
+    for every chunk, each chunk the pass uses is gathered exactly once."""
+    from hf_elixir.plan import fetches
+
     chunk_of = {name: i for i, params in enumerate(chunks) for name in params}
-    requests: list[tuple[str, tuple[int, ...]]] = []
-    for op, module in pins:
-        cids = tuple(sorted({chunk_of[p] for p in module_params.get(module, ()) if p in chunk_of}))
-        requests.append((op, cids))
-    uses: dict[int, list[int]] = {}
-    for i, (op, cids) in enumerate(requests):
-        if op == "pin":
-            for c in cids:
-                uses.setdefault(c, []).append(i)
-    gathers = [0] * len(chunks)
-    resident: set[int] = set()
-    pinned: dict[int, int] = {}
-    cursor: dict[int, int] = {}
-
-    def next_use(c: int) -> float:
-        pos = uses.get(c, [])
-        j = cursor.get(c, 0)
-        return pos[j] if j < len(pos) else math.inf
-
-    for op, cids in requests:
-        if op != "pin":
-            for c in cids:
-                pinned[c] -= 1
-            continue
-        for c in cids:
-            cursor[c] = cursor.get(c, 0) + 1
-            if c not in resident:
-                if len(resident) >= rcache_blocks:
-                    free = [x for x in resident if pinned.get(x, 0) == 0 and x not in cids]
-                    if not free:
-                        raise ValueError(f"{rcache_blocks} rCache blocks cannot hold the chunks in use")
-                    resident.remove(max(free, key=next_use))
-                resident.add(c)
-                gathers[c] += 1
-            pinned[c] = pinned.get(c, 0) + 1
-    return gathers
+    ops = fetches.fetch_ops(pins, module_params, chunk_of)
+    return fetches.replay(ops, len(chunks), rcache_blocks, prefetch_depth, world_size, param_cpu).gathers
 
 
 # ---------------------------------------------------------------------- predicted bytes
@@ -241,8 +209,9 @@ def traced_gathers(plan, model, example_batch) -> list[int]:
     from hf_elixir.plan.needs import trace_fetch_needs
 
     needs = trace_fetch_needs(model, example_batch, plan.fetch_units, plan.activation_checkpointing)
+    on_host = frozenset(i for i, c in enumerate(plan.chunks) if c.param_placement == "cpu")
     return gathers_per_chunk(needs.pins, needs.module_params, [c.params for c in plan.chunks],
-                             plan.rcache_blocks)
+                             plan.rcache_blocks, plan.prefetch_depth, plan.world_size, on_host)
 
 
 def predictions(counter: CommCounter, gathers: Sequence[int], host: bool) -> dict:
