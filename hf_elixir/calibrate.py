@@ -531,6 +531,68 @@ class PairResult:
     compute: dict
     gather: tuple[float, float]   # (bandwidth B/s, latency s) of Collectives.all_gather
     reduce: tuple[float, float]   # the same for Collectives.reduce_scatter_accumulate
+    overlap: dict = field(default_factory=dict)  # CPU ranks: ``comm_overlap`` by kind
+
+
+#: the stack of blocks (batch, seq, hidden, heads, blocks) the collectives run beside in
+#: ``comm_overlap``, one collective of ``_OVERLAP_ELEMS`` started before every block
+_OVERLAP_SHAPE = (2, 128, 512, 8, 8)
+_OVERLAP_SHAPE_QUICK = (2, 128, 256, 4, 4)
+_OVERLAP_ELEMS = 2**23
+
+
+def comm_overlap(coll, quick: bool = False, repeat: int = 7) -> dict[str, float]:
+    """Share of the runtime's collectives (chunk gather, gradient reduction) that hides
+    behind compute running beside them on the same rank; collective on every rank.
+
+    A stack of transformer blocks runs forward three ways: alone; with a collective started
+    before every block and waited for at once; and with each collective left running
+    beside the block after it (as the runtime's prefetch leaves a gather, and its
+    backward a reduction). The share is what running beside saved over what could hide:
+    the collectives' cost when waited for, or the blocks' time where that is shorter. On a CPU whose cores all run ranks the collectives
+    need those cores too: gloo's all-reduce adds on the CPU, and a broadcast copies
+    through the kernel, so less than all of it hides."""
+    import torch.distributed as dist
+
+    b, s, h, heads, depth = _OVERLAP_SHAPE_QUICK if quick else _OVERLAP_SHAPE
+    n = _OVERLAP_ELEMS // (4 if quick else 1)
+    torch.manual_seed(0)
+    blocks = nn.ModuleList(_Block(h, heads) for _ in range(depth))
+    x = torch.randn(b, s, h)
+    fulls = [torch.zeros(n) for _ in range(depth)]
+    shard = torch.ones(n // coll.world_size)
+    target = torch.zeros(n // coll.world_size)
+    scratch = torch.empty(n // coll.world_size) if coll.reduce_needs_scratch else None
+    starts = {"gather": lambda full, beside: coll.all_gather(full, shard, async_op=beside),
+              "reduce": lambda full, beside: coll.reduce_scatter_accumulate(target, full, scratch, async_op=beside)}
+
+    def run(start, beside: bool | None) -> None:
+        y, pending = x, None
+        for i, block in enumerate(blocks):
+            if beside is not None:
+                if pending is not None:
+                    pending.wait()
+                pending = start(fulls[i], beside)
+            y = block(y)
+        if pending is not None:
+            pending.wait()
+
+    out = {}
+    with torch.no_grad():
+        for kind, start in starts.items():
+            times: dict = {None: [], False: [], True: []}
+            for _ in range(2 if quick else repeat):
+                for beside, got in times.items():
+                    dist.barrier()
+                    t0 = time.perf_counter()
+                    run(start, beside)
+                    got.append(time.perf_counter() - t0)
+            # paired within each round (a drift of the machine falls on all three alike); each
+            # collective can hide behind at most the block beside it
+            saved = statistics.median(w - o for w, o in zip(times[False], times[True]))
+            could = statistics.median(min(w - p, p) for w, p in zip(times[False], times[None]))
+            out[kind] = min(1.0, max(0.0, saved / could)) if could > 0 else 0.0
+    return out
 
 
 def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, out) -> None:
@@ -575,10 +637,13 @@ def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, ou
             wire = n * 4 * (world - 1) / world
             g_pts.append((wire, best_time(gather, repeat=3, sync=sync) - base))
             r_pts.append((wire, best_time(reduce, repeat=3, sync=sync) - base))
+        overlap = {}
         if figs is not None:  # the ranks' post-backward work, in lock-step as in a step
             figs.update_rate = update_rate(dev, update_elems(quick), sync, before=dist.barrier)
+            overlap = comm_overlap(coll, quick)
         if rank == 0:
-            out.put(PairResult(compute=asdict(figs) if figs else {}, gather=_fit(g_pts), reduce=_fit(r_pts)))
+            out.put(PairResult(compute=asdict(figs) if figs else {}, gather=_fit(g_pts), reduce=_fit(r_pts),
+                               overlap=overlap))
     finally:
         dist.destroy_process_group()
 

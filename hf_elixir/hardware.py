@@ -267,6 +267,8 @@ class HardwareProfile:
             ("device->host", f"{self.d2h_bandwidth / 1e9:.1f} GB/s"),
             ("collective (intra-node)", f"{self.collective_bandwidth / 1e9:.1f} GB/s"),
             ("inter-node", f"{self.inter_node_bandwidth / 1e9:.1f} GB/s"),
+            *[(f"{kind} hidden behind compute", f"{share:.0%} (every core busy)")
+              for kind, share in self.comm_overlap.items()],
             *[(f"matmul {k}", f"{v / 1e12:.2f} TFLOP/s") for k, v in self.matmul_flops.items()],
             ("matmul efficiency", f"{self.matmul_efficiency:.2f}"),
             ("device AdamW", f"{self.device_adam_throughput / 1e9:.2f} G params/s"),
@@ -476,6 +478,11 @@ def calibrate_local(quick: bool = False) -> HardwareProfile:
             prof.compute["shared"] = pair.compute
             if not cuda:  # the host's AdamW rate is what all its ranks achieve together
                 prof.cpu_adam_throughput = 2 * pair.compute["adam_rate"]
+        if pair.overlap and 2 >= (os.cpu_count() or 1):
+            # measured with every core running a rank; with idle cores left over the pair
+            # would measure those instead, and the planner keeps its rule (Links.of)
+            prof.comm_overlap = dict(pair.overlap)
+            src["comm_overlap"] = MEASURED
 
     for k in ("h2d_bandwidth", "d2h_bandwidth", "device_memory_bandwidth", "matmul_flops",
               "matmul_efficiency", "cpu_adam_throughput", "device_adam_throughput", "compute"):

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
 from hf_elixir.hardware import GB, GiB, PRESETS, HardwareError, HardwareProfile, parse_memory
 
@@ -75,6 +78,12 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
         assert sharing["update_rate"] > 1e5
     if Path("/proc/stat").exists():  # what the hypervisor took while it measured
         assert 0.0 <= cal.calibration_steal <= 1.0
+    if not torch.cuda.is_available() and (os.cpu_count() or 1) <= 2:  # the pair filled every core
+        assert set(cal.comm_overlap) == {"gather", "reduce"} and cal.sources["comm_overlap"] == "measured"
+        assert all(0.0 <= v <= 1.0 for v in cal.comm_overlap.values())
+        assert "gather hidden behind compute" in cal.describe()
+    else:  # idle cores would have taken the collectives: nothing measured, the planner's rule
+        assert cal.comm_overlap == {}
     cached = list(tmp_path.glob("hardware-*.json"))
     assert len(cached) == 1
     again = HardwareProfile.detect()  # uses the cached calibration
@@ -116,3 +125,47 @@ def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):
     assert "stolen" not in hw.describe()
     assert "CPU stolen while calibrating  5%\n" in replace(hw, calibration_steal=0.05).describe() + "\n"
     assert "32% (a busy host: calibrate again when it is quiet)" in replace(hw, calibration_steal=0.32).describe()
+
+
+class _SleepingCollectives:
+    """Collectives that take 40 ms: a gather that sleeps in a thread of its own when left
+    running (so it hides completely), a reduction that sleeps on the caller's thread even
+    when asked to run beside (so nothing hides)."""
+
+    world_size = 1
+    reduce_needs_scratch = False
+
+    def all_gather(self, full, shard, async_op=False):
+        import threading
+
+        from hf_elixir.runtime.comm import Work
+
+        if not async_op:
+            time.sleep(0.04)
+            return Work()
+        t = threading.Thread(target=time.sleep, args=(0.04,))
+        t.start()
+        return Work(type("Joined", (), {"wait": lambda self: t.join()})())
+
+    def reduce_scatter_accumulate(self, target, full, scratch=None, async_op=False):
+        from hf_elixir.runtime.comm import Work
+
+        time.sleep(0.04)
+        return Work()
+
+
+def _overlap_of_sleepers(rank: int, world_size: int) -> dict:
+    from hf_elixir.calibrate import comm_overlap
+
+    return comm_overlap(_SleepingCollectives(), quick=True)
+
+
+def test_the_hidden_share_of_collectives_is_what_running_beside_compute_saved():
+    """``calibrate.comm_overlap`` measures the share of a collective's time that hides
+    behind compute: all of a collective that runs elsewhere, none of one that occupies the
+    rank's own thread."""
+    from harness import run_distributed
+
+    got = run_distributed(_overlap_of_sleepers, 1)[0]
+    assert got["gather"] > 0.7, got
+    assert got["reduce"] < 0.3, got
