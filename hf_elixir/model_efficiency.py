@@ -12,9 +12,11 @@ calibrated width curve for this plan.
 
 The copies timed take turns step by step, so that a drift of the machine's speed falls on
 each alike. A model whose step is cheap enough is timed whole. A larger one is timed with one and with
-two of its transformer blocks (the longest ``nn.ModuleList`` of same-class modules) and the
-whole step is extrapolated: ``efficiency = (m1 + (L-1)(m2-m1)) / (p1 + (L-1)(p2-p1))`` for
-measured ``m`` and priced ``p`` over ``L`` blocks.
+``k`` of its transformer blocks (the longest ``nn.ModuleList`` of same-class modules; ``k``
+as many as a step of ``WHOLE_STEP_SECONDS`` allows, two at least) and the whole step is
+extrapolated: ``efficiency = (m1 + (L-1)/(k-1) (mk-m1)) / (p1 + (L-1)/(k-1) (pk-p1))`` for
+measured ``m`` and priced ``p`` over ``L`` blocks. GPT-2 124M extrapolated from one and two
+blocks once measured 15% below its whole step, which a longer copy narrows.
 
 Where the ranks run:
 - inside a distributed job (``torch.distributed`` initialised: ``accelerate launch``), every
@@ -134,18 +136,18 @@ def reduced_copy(model: nn.Module, keep: int, device: torch.device, dtype: torch
     return out
 
 
-def _source(model_or_config: Any, whole: bool) -> nn.Module:
+def _source(model_or_config: Any, layers: int | None) -> nn.Module:
     """A real model to shorten: the module itself, or one built (on the CPU, randomly
-    initialised) from a transformers config, with only two blocks unless ``whole``."""
+    initialised) from a transformers config, with only ``layers`` blocks (None: all)."""
     if isinstance(model_or_config, nn.Module):
         return model_or_config
     from transformers import AutoModelForCausalLM
 
     config = copy.deepcopy(model_or_config)
-    if not whole:
+    if layers is not None:
         if not isinstance(getattr(config, "num_hidden_layers", None), int):
             raise ValueError(f"{type(config).__name__} has no num_hidden_layers to shorten")
-        config.num_hidden_layers = min(2, config.num_hidden_layers)
+        config.num_hidden_layers = min(layers, config.num_hidden_layers)
     return AutoModelForCausalLM.from_config(config)
 
 
@@ -243,6 +245,27 @@ def _time_spawned(models: list[nn.Module], batch_shape, ranks: int, timeout: flo
 
 
 # ---------------------------------------------------------------------- entry point
+def _trial_price(source: nn.Module, keep: int, batch_shape: tuple[int, int], figs: calibrate.ComputeFigures,
+                 device: torch.device, dtype: str) -> float:
+    """The price at efficiency 1 of a copy of ``source`` with ``keep`` blocks, after one
+    step of it: a copy that cannot train is never timed (it raises here)."""
+    trial = reduced_copy(source, keep, device, _torch_dtype(dtype))
+    price = calibrate.price(calibrate.step_work(trial, batch_shape, device.type), figs, dtype, efficiency=1.0)
+    time_steps([trial], batch_shape, repeat=0)
+    return price
+
+
+def _longest(prices: list[float], blocks: int, budget: float) -> int:
+    """The most blocks (2 at least, fewer than all) whose copy is priced within ``budget``
+    seconds a step, from the one- and two-block prices: the per-block increment of the
+    extrapolation is a difference of two timings, so the more blocks it spans, the less the
+    timings' noise is multiplied on the way to the whole model."""
+    p1, p2 = prices
+    if p2 <= p1:
+        return 2
+    return max(2, min(blocks - 1, 1 + int((budget - p1) // (p2 - p1))))
+
+
 def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.ComputeFigures,
             device: torch.device, dtype: str = "float32", ranks_per_node: int = 1,
             priced_whole: float | None = None, device_memory: float | None = None,
@@ -273,14 +296,14 @@ def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.
     models, prices, failures = [], [], []
     for keeps in options:
         try:
-            source = _source(model_or_config, whole=keeps == [blocks])
-            prices = []
-            for k in keeps:  # priced, then one step: a copy that cannot train is not timed
-                trial = reduced_copy(source, k, device, torch_dtype)
-                prices.append(calibrate.price(calibrate.step_work(trial, batch_shape, device.type), figs, dtype,
-                                              efficiency=1.0))
-                time_steps([trial], batch_shape, repeat=0)
-                del trial
+            source = _source(model_or_config, None if keeps == [blocks] else max(keeps))
+            prices = [_trial_price(source, k, batch_shape, figs, device, dtype) for k in keeps]
+            if keeps == [1, 2]:  # as many blocks as the budget of a whole step allows
+                longest = _longest(prices, blocks, whole_step_seconds)
+                if longest > 2:
+                    keeps = [1, longest]
+                    source = _source(model_or_config, longest)
+                    prices[1] = _trial_price(source, longest, batch_shape, figs, device, dtype)
             # fresh copies for the timing: some models keep tensors of their last step as
             # attributes, which neither a deep copy nor a spawned process can take
             models = [reduced_copy(source, k, device, torch_dtype) for k in keeps]
@@ -306,10 +329,10 @@ def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.
     if whole:
         m, p = times[0], prices[0]
     else:
-        (m1, m2), (p1, p2) = times, prices
-        if m2 > m1 and p2 > p1:
-            m, p = m1 + (blocks - 1) * (m2 - m1), p1 + (blocks - 1) * (p2 - p1)
-        else:  # timing noise larger than a block: the two-block copy's own ratio
-            m, p = m2 * blocks / 2, p2 * blocks / 2
+        (m1, mk), (p1, pk), k = times, prices, keeps[1]
+        if mk > m1 and pk > p1:
+            m, p = m1 + (blocks - 1) / (k - 1) * (mk - m1), p1 + (blocks - 1) / (k - 1) * (pk - p1)
+        else:  # timing noise larger than the blocks: the longer copy's own ratio
+            m, p = mk * blocks / k, pk * blocks / k
     return ModelEfficiency(efficiency=m / p, measured_s=m, priced_s=p, blocks=blocks, blocks_timed=keeps,
                            ranks=ranks, seconds=time.perf_counter() - t0)

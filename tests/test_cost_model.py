@@ -157,7 +157,7 @@ def _ops(events: list[tuple[str, str]], chunk_of_module: dict[str, int]):
     """Fetch requests of a trace whose modules each pin one chunk around their event."""
     pins = [x for _, m in events for x in (("pin", m), ("unpin", m))]
     params = {m: [m] for m in chunk_of_module}
-    return fetches.fetch_ops(pins, params, dict(chunk_of_module), events)
+    return fetches.fetch_ops(pins, params, dict(chunk_of_module), len(set(chunk_of_module.values())), events)
 
 
 def test_communication_hides_behind_compute_by_the_measured_share():
@@ -180,7 +180,7 @@ def test_communication_hides_behind_compute_by_the_measured_share():
 
     events = [("forward", "a"), ("forward", "b"), ("backward", "b"), ("backward", "a")]
     seq = [cost.Access(ph, m, ({"a": 0, "b": 1}[m],), s) for (ph, m), s in zip(events, (1.0, 1.0, 2.0, 2.0))]
-    ahead = fetches.replay(_ops(events, {"a": 0, "b": 1}), 2, 2, 1, 2)  # b's gather starts at a's fetch
+    ahead = fetches.replay(_ops(events, {"a": 0, "b": 1}), 2, 1, 2)  # b's gather starts at a's fetch
     assert ahead.fetches[0].ahead == (1,) and ahead.fetches[1].waits == (1,)
 
     def end(g: float, r: float) -> float:

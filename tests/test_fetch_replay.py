@@ -104,8 +104,8 @@ def _record(rank: int, world_size: int, arch: str) -> list:
 def _replayed(model, plan: hfe.ElixirPlan) -> fetches.FetchReplay:
     needs = trace_fetch_needs(model, BATCH, plan.fetch_units, plan.activation_checkpointing)
     chunk_of = {name: i for i, c in enumerate(plan.chunks) for name in c.params}
-    ops = fetches.fetch_ops(needs.pins, needs.module_params, chunk_of)
-    return fetches.replay(ops, plan.n_chunks, plan.rcache_blocks, plan.prefetch_depth, plan.world_size)
+    requests = fetches.fetch_ops(needs.pins, needs.module_params, chunk_of, plan.n_chunks)
+    return fetches.replay(requests, plan.rcache_blocks, plan.prefetch_depth, plan.world_size)
 
 
 def _check(arch: str) -> None:

@@ -113,7 +113,7 @@ def test_every_architecture_is_timed_and_shortened_copies_match_transformers() -
             problems[arch] = "the measurement changed the model"
             continue
         timed.append(arch)
-        if got.blocks_timed != [1, 2]:
+        if len(got.blocks_timed) == 1:
             whole.append(arch)
             continue
         one = me.reduced_copy(model, 1, CPU, torch.float32)
@@ -130,24 +130,33 @@ def test_every_architecture_is_timed_and_shortened_copies_match_transformers() -
     assert len(matched) >= 100  # most configs can be told their block count; the sweep found 137
 
 
-def test_extrapolation_from_one_and_two_blocks_prices_the_whole_step() -> None:
+def test_extrapolation_from_one_and_more_blocks_prices_the_whole_step() -> None:
+    """A model too slow to time whole is timed with one block and with as many as a whole
+    step's budget allows (two at least, fewer than all); either extrapolation prices the
+    whole step exactly."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=96, n_positions=64))
-    shortened = me.measure(model, (2, 16), _figs(), CPU, priced_whole=None)
+    longest = me.measure(model, (2, 16), _figs(), CPU, priced_whole=None)
+    two = me.measure(model, (2, 16), _figs(), CPU, priced_whole=None, whole_step_seconds=0.0)
     whole = me.measure(model, (2, 16), _figs(), CPU, priced_whole=0.0)
-    assert shortened.blocks_timed == [1, 2] and whole.blocks_timed == [shortened.blocks] == [4]
-    assert shortened.priced_s == pytest.approx(whole.priced_s, rel=1e-9)
-    assert shortened.measured_s > 0 and whole.measured_s > 0 and shortened.ranks == whole.ranks == 1
+    assert longest.blocks_timed == [1, 3] and two.blocks_timed == [1, 2]
+    assert whole.blocks_timed == [longest.blocks] == [4]
+    assert longest.priced_s == pytest.approx(whole.priced_s, rel=1e-9)
+    assert two.priced_s == pytest.approx(whole.priced_s, rel=1e-9)
+    assert longest.measured_s > 0 and whole.measured_s > 0 and longest.ranks == whole.ranks == 1
+    assert me._longest([0.25, 0.375], 12, 1.0) == 7 and me._longest([0.9, 1.3], 12, 1.0) == 2
 
 
-def test_a_config_is_timed_from_a_two_block_model() -> None:
+def test_a_config_is_timed_from_a_shortened_model() -> None:
     from transformers import LlamaConfig
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4,
                       vocab_size=256, max_position_embeddings=64)
     got = me.measure(cfg, (2, 16), _figs(), CPU, priced_whole=None)
-    assert got.blocks == 6 and got.blocks_timed == [1, 2] and got.efficiency > 0
+    assert got.blocks == 6 and got.blocks_timed == [1, 5] and got.efficiency > 0
+    shorter = me.measure(cfg, (2, 16), _figs(), CPU, priced_whole=None, whole_step_seconds=0.0)
+    assert shorter.blocks_timed == [1, 2] and shorter.priced_s == pytest.approx(got.priced_s, rel=1e-9)
     assert cfg.num_hidden_layers == 6  # the caller's config is not changed
 
 

@@ -135,12 +135,12 @@ def test_plan_records_predictions_alternatives_and_summary(llama):
 def test_the_fetch_replay_counts_regathers():
     events = [("forward", str(i)) for i in range(4)] + [("backward", str(i)) for i in reversed(range(4))]
     pins = [x for _, m in events for x in (("pin", m), ("unpin", m))]
-    ops = fetches.fetch_ops(pins, {str(i): [str(i)] for i in range(4)}, {str(i): i for i in range(4)}, events)
+    requests = fetches.fetch_ops(pins, {str(i): [str(i)] for i in range(4)}, {str(i): i for i in range(4)}, 4, events)
     for prefetch in (0, 1, 2):
-        assert sum(fetches.replay(ops, 4, 4, prefetch, 2).gathers) == 4  # every chunk cached: gathered once
-        assert sum(fetches.replay(ops, 4, 3, prefetch, 2).gathers) == 5  # one re-gather (chunk 0)
-        assert sum(fetches.replay(ops, 4, 2, prefetch, 2).gathers) == 6
-    assert fetches.replay(ops, 4, 4, 0, 1).gathers == [0] * 4  # one rank: gathered in place
+        assert sum(fetches.replay(requests, 4, prefetch, 2).gathers) == 4  # every chunk cached: gathered once
+        assert sum(fetches.replay(requests, 3, prefetch, 2).gathers) == 5  # one re-gather (chunk 0)
+        assert sum(fetches.replay(requests, 2, prefetch, 2).gathers) == 6
+    assert fetches.replay(requests, 4, 0, 1).gathers == [0] * 4  # one rank: gathered in place
     assert pack(["a", "b", "c"], {"a": 3, "b": 2, "c": 2}, 4) == [["a"], ["b", "c"]]
 
 

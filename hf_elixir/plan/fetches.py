@@ -26,6 +26,8 @@ it out of every gather list.
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass, field
 from typing import Mapping, Sequence
 
@@ -76,9 +78,43 @@ class _Op:
     event: int
 
 
+@dataclass
+class Requests:
+    """A traced step's pins and unpins as chunk requests (``fetch_ops``), with what every
+    replay of them looks up: the request order, each chunk's positions in it and the
+    distinct chunks of each prefetch window. Built once per chunk packing."""
+
+    ops: list[_Op]
+    n_chunks: int
+
+    @functools.cached_property
+    def order(self) -> list[int]:
+        return [c for op in self.ops if op.pin for c in op.cids]
+
+    @functools.cached_property
+    def positions(self) -> list[list[int]]:
+        out: list[list[int]] = [[] for _ in range(self.n_chunks)]
+        for i, c in enumerate(self.order):
+            out[c].append(i)
+        return out
+
+    @functools.cached_property
+    def windows(self) -> list[list[tuple[int, int]]]:
+        """Per position: the distinct chunks requested in the ``PREFETCH_WINDOW`` requests
+        from there, in order, each at its first position."""
+        order = self.order
+        out = []
+        for pos in range(len(order) + 1):
+            seen: dict[int, int] = {}
+            for q in range(pos, min(len(order), pos + PREFETCH_WINDOW)):
+                seen.setdefault(order[q], q)
+            out.append(list(seen.items()))
+        return out
+
+
 def fetch_ops(pins: Sequence[tuple[str, str]], module_params: Mapping[str, Sequence[str]],
-              chunk_of: Mapping[str, int],
-              events: Sequence[tuple[str, str]] | None = None) -> list[_Op]:
+              chunk_of: Mapping[str, int], n_chunks: int,
+              events: Sequence[tuple[str, str]] | None = None) -> Requests:
     """The traced pin sequence (``Trace.pins``) as chunk requests. A pin that opens a
     traced event (``Trace.events``: the event is recorded just before its pin) belongs to
     it; a pin without one (a recomputed call's backward) belongs to the event after it."""
@@ -91,39 +127,26 @@ def fetch_ops(pins: Sequence[tuple[str, str]], module_params: Mapping[str, Seque
             k += 1
         else:
             ops.append(_Op(op == "pin", cids, k))
-    return ops
+    return Requests(ops, n_chunks)
 
 
 class _Runtime:
     """The fetch state of the runtime between requests."""
 
-    def __init__(self, n_chunks: int, blocks: int, prefetch: int, order: list[int],
-                 in_place: frozenset[int]) -> None:
-        self.blocks, self.prefetch, self.order, self.in_place = blocks, prefetch, order, in_place
-        self.status = [_RELEASED] * n_chunks
+    def __init__(self, requests: Requests, blocks: int, prefetch: int, in_place: frozenset[int]) -> None:
+        n = requests.n_chunks
+        self.requests, self.blocks, self.prefetch, self.in_place = requests, blocks, prefetch, in_place
+        self.status = [_RELEASED] * n
         self.resident: set[int] = set()
-        self.pins = [0] * n_chunks
-        self.last_used = [0] * n_chunks
+        self.pins = [0] * n
+        self.last_used = [0] * n
         self.tick = 0
         self.cursor = -1
         self.on_trace = False
-        positions: list[list[int]] = [[] for _ in range(n_chunks)]
-        for i, c in enumerate(order):
-            positions[c].append(i)
-        self.positions = positions
-        self.gathers = [0] * n_chunks
-        # the distinct chunks of each prefetch window, in request order, with their position
-        self.window: list[list[tuple[int, int]]] = []
-        for pos in range(len(order) + 1):
-            seen: dict[int, int] = {}
-            for q in range(pos, min(len(order), pos + PREFETCH_WINDOW)):
-                seen.setdefault(order[q], q)
-            self.window.append(list(seen.items()))
+        self.gathers = [0] * n
 
     def next_use(self, c: int) -> float:
-        import bisect
-
-        pos = self.positions[c]
+        pos = self.requests.positions[c]
         i = bisect.bisect_right(pos, self.cursor)
         return pos[i] if i < len(pos) else float("inf")
 
@@ -139,9 +162,6 @@ class _Runtime:
     def evict(self, c: int) -> None:
         self.status[c] = _RELEASED
         self.resident.discard(c)
-
-    def start(self, c: int) -> None:
-        self.gathers[c] += 1
 
     def make_room(self, exclude: Sequence[int], waits: list[int]) -> None:
         while len(self.resident) >= self.blocks:
@@ -160,7 +180,8 @@ class _Runtime:
         demand: list[int] = []
         waits: list[int] = []
         for c in cids:
-            self.cursor += 1 if self.on_trace else 0
+            if self.on_trace:  # while recording, the trace has no position yet
+                self.cursor += 1
             self.tick += 1
             self.last_used[c] = self.tick
             if self.status[c] == _RELEASED:
@@ -169,7 +190,7 @@ class _Runtime:
                         self.make_room(cids, waits)
                         self.resident.add(c)
                     demand.append(c)
-                    self.start(c)
+                    self.gathers[c] += 1
             elif self.status[c] == _IN_FLIGHT:
                 waits.append(c)
             self.status[c] = _GATHERED
@@ -180,7 +201,7 @@ class _Runtime:
         if not self.on_trace or self.prefetch <= 0:
             return []
         started: list[int] = []
-        wanted = [(c, pos) for c, pos in self.window[self.cursor + 1]
+        wanted = [(c, pos) for c, pos in self.requests.windows[self.cursor + 1]
                   if self.status[c] == _RELEASED and c not in self.in_place][: self.prefetch]
         for c, pos in wanted:
             if c not in self.resident:
@@ -194,7 +215,7 @@ class _Runtime:
                     self.evict(victim)
                 self.resident.add(c)
             self.status[c] = _IN_FLIGHT
-            self.start(c)
+            self.gathers[c] += 1
             started.append(c)
         return started
 
@@ -209,14 +230,14 @@ class _Runtime:
         return tuple(self.status), frozenset(self.resident)
 
 
-def replay(ops: Sequence[_Op], n_chunks: int, blocks: int, prefetch: int, world_size: int,
+def replay(requests: Requests, blocks: int, prefetch: int, world_size: int,
            param_cpu: frozenset[int] | set[int] = frozenset()) -> FetchReplay:
-    """The steady-state step of the runtime's fetching for the requests ``ops``
-    (``fetch_ops``) with ``blocks`` rCache blocks and prefetch depth ``prefetch``;
-    ``param_cpu``: the chunks whose parameter shard lives in host memory."""
-    order = [c for op in ops if op.pin for c in op.cids]
+    """The steady-state step of the runtime's fetching for ``requests`` (``fetch_ops``)
+    with ``blocks`` rCache blocks and prefetch depth ``prefetch``; ``param_cpu``: the
+    chunks whose parameter shard lives in host memory."""
+    n_chunks = requests.n_chunks
     in_place = frozenset(range(n_chunks)) - frozenset(param_cpu) if world_size == 1 else frozenset()
-    rt = _Runtime(n_chunks, blocks, prefetch, order, in_place)
+    rt = _Runtime(requests, blocks, prefetch, in_place)
     seen: list[tuple] = []
     carried: tuple[int, ...] = ()
     result = FetchReplay(carried=())
@@ -227,7 +248,7 @@ def replay(ops: Sequence[_Op], n_chunks: int, blocks: int, prefetch: int, world_
         seen.append(start)
         rt.gathers = [0] * n_chunks
         fetches: list[Fetch] = []
-        for op in ops:
+        for op in requests.ops:
             if not op.pin:
                 for c in op.cids:
                     rt.pins[c] = max(0, rt.pins[c] - 1)

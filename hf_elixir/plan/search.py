@@ -192,7 +192,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
             step = profile.step(ckpt)
             tr = step.trace
             seq = cost.access_sequence(tr.events, tr.module_params, tr.work, param_chunk, price)
-            ops = fetches.fetch_ops(tr.pins, tr.module_params, param_chunk, tr.events)
+            requests = fetches.fetch_ops(tr.pins, tr.module_params, param_chunk, n, tr.events)
             span = cost.max_span(tr.module_params, param_chunk)
             nested = rcache_minimum(tr.pins, tr.module_params, chunks)
             live = tr.live or [(0, step.memory.peak)] * len(seq)
@@ -202,7 +202,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                 r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
-                    sim = cost.simulate(seq, fetches.replay(ops, n, R, d, world_size), chunk_bytes, world_size,
+                    sim = cost.simulate(seq, fetches.replay(requests, R, d, world_size), chunk_bytes, world_size,
                                         links, adopted=adopted)
                     cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw, ranks_per_node)
                     for k in _grid(0, n):
@@ -211,7 +211,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                         # parameters offloaded too (with every optimizer state on the CPU)
                         for p in _grid(1, n, 16):
                             on_host = frozenset(range(n - p, n))
-                            sim_p = cost.simulate(seq, fetches.replay(ops, n, R, d, world_size, on_host), chunk_bytes,
+                            sim_p = cost.simulate(seq, fetches.replay(requests, R, d, world_size, on_host), chunk_bytes,
                                                   world_size, links, param_cpu=on_host, adopted=adopted)
                             cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
                             out.append(_candidate(ctx, R, d, n, p, sim_p, cpu_end_p[n]))

@@ -114,8 +114,8 @@ def gathers_per_chunk(pins: Sequence[tuple[str, str]], module_params: Mapping[st
     from hf_elixir.plan import fetches
 
     chunk_of = {name: i for i, params in enumerate(chunks) for name in params}
-    ops = fetches.fetch_ops(pins, module_params, chunk_of)
-    return fetches.replay(ops, len(chunks), rcache_blocks, prefetch_depth, world_size, param_cpu).gathers
+    requests = fetches.fetch_ops(pins, module_params, chunk_of, len(chunks))
+    return fetches.replay(requests, rcache_blocks, prefetch_depth, world_size, param_cpu).gathers
 
 
 # ---------------------------------------------------------------------- predicted bytes
