@@ -37,6 +37,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
+from hf_elixir.plan import fetches
+
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "host_to_device", "device_to_host")
 COLLECTIVE_KINDS = KINDS[:4]
 #: ring factor: how many times (W-1)/W of the buffer a rank receives
@@ -111,8 +113,6 @@ def gathers_per_chunk(pins: Sequence[tuple[str, str]], module_params: Mapping[st
     replayed over the traced pin sequence (``Trace.pins``; ``hf_elixir.plan.fetches``),
     the gathers the step's optimizer step starts for the next one included. With a block
     for every chunk, each chunk the pass uses is gathered exactly once."""
-    from hf_elixir.plan import fetches
-
     chunk_of = {name: i for i, params in enumerate(chunks) for name in params}
     requests = fetches.fetch_ops(pins, module_params, chunk_of, len(chunks))
     return fetches.replay(requests, rcache_blocks, prefetch_depth, world_size, param_cpu).gathers
