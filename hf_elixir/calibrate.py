@@ -549,9 +549,9 @@ def comm_overlap(coll, quick: bool = False, repeat: int = 7) -> dict[str, float]
     before every block and waited for at once; and with each collective left running
     beside the block after it (as the runtime's prefetch leaves a gather, and its
     backward a reduction). The share is what running beside saved over what could hide:
-    the collectives' cost when waited for, or the blocks' time where that is shorter. On a CPU whose cores all run ranks the collectives
-    need those cores too: gloo's all-reduce adds on the CPU, and a broadcast copies
-    through the kernel, so less than all of it hides."""
+    the collectives' cost when waited for, or the blocks' time where that is shorter. On a
+    CPU whose cores all run ranks the collectives need those cores too: gloo's all-reduce
+    adds on the CPU, and a broadcast copies through the kernel, so less than all of it hides."""
     import torch.distributed as dist
 
     b, s, h, heads, depth = _OVERLAP_SHAPE_QUICK if quick else _OVERLAP_SHAPE

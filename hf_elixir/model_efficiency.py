@@ -11,8 +11,8 @@ as in training, against the same model's price from its meta trace. The ratio re
 calibrated width curve for this plan.
 
 The copies timed take turns step by step, so that a drift of the machine's speed falls on
-each alike. A model whose step is cheap enough is timed whole. A larger one is timed with one and with
-``k`` of its transformer blocks (the longest ``nn.ModuleList`` of same-class modules; ``k``
+each alike. A model whose step is cheap enough is timed whole. A larger one is timed with
+one and with ``k`` of its transformer blocks (the longest ``nn.ModuleList`` of same-class modules; ``k``
 as many as a step of ``WHOLE_STEP_SECONDS`` allows, two at least) and the whole step is
 extrapolated: ``efficiency = (m1 + (L-1)/(k-1) (mk-m1)) / (p1 + (L-1)/(k-1) (pk-p1))`` for
 measured ``m`` and priced ``p`` over ``L`` blocks. GPT-2 124M extrapolated from one and two

@@ -202,8 +202,8 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                 r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
-                    sim = cost.simulate(seq, fetches.replay(requests, R, d, world_size), chunk_bytes, world_size,
-                                        links, adopted=adopted)
+                    replayed = fetches.replay(requests, R, d, world_size)
+                    sim = cost.simulate(seq, replayed, chunk_bytes, world_size, links, adopted=adopted)
                     cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw, ranks_per_node)
                     for k in _grid(0, n):
                         out.append(_candidate(ctx, R, d, k, 0, sim, cpu_end[k]))
@@ -211,8 +211,10 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                         # parameters offloaded too (with every optimizer state on the CPU)
                         for p in _grid(1, n, 16):
                             on_host = frozenset(range(n - p, n))
-                            sim_p = cost.simulate(seq, fetches.replay(requests, R, d, world_size, on_host), chunk_bytes,
-                                                  world_size, links, param_cpu=on_host, adopted=adopted)
+                            # host shards change the fetching only at world size 1 (in place)
+                            fetched = fetches.replay(requests, R, d, 1, on_host) if world_size == 1 else replayed
+                            sim_p = cost.simulate(seq, fetched, chunk_bytes, world_size, links,
+                                                  param_cpu=on_host, adopted=adopted)
                             cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
                             out.append(_candidate(ctx, R, d, n, p, sim_p, cpu_end_p[n]))
     return out, packings
