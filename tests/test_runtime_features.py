@@ -462,3 +462,33 @@ def test_closed_runtimes_leave_no_threads_or_sockets_behind() -> None:
         assert got["closed"][-1] == got["closed"][0], got["closed"]
         assert got["kept"][1][0] > got["kept"][0][0] and got["kept"][1][1] > got["kept"][0][1], got["kept"]
         assert "closed" in got["error"] and "new ElixirModule" in got["error"]
+
+
+def _barrier_beside_a_pending_gather(rank: int, world_size: int) -> dict:
+    """Rank 0 starts one of the runtime's gathers that rank 1 joins only after a barrier on
+    the caller's group, as a prefetch the optimizer step leaves running meets a user's
+    barrier or metric gather. Were the gathers on the caller's group, gloo's barrier would
+    wait for the gather, which waits for rank 1, which waits in the barrier: a hang."""
+    import torch.distributed as dist
+
+    model = make_model("gpt2")
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096))
+    shard = torch.full((8,), float(rank))
+    out = torch.empty(8 * world_size)
+    work = em.comm.all_gather(out, shard, async_op=True) if rank == 0 else None
+    dist.barrier()
+    if rank == 0:
+        work.wait()
+    else:
+        em.comm.all_gather(out, shard)
+    groups = {"gather_is_callers": em.comm.gather_group is dist.group.WORLD,
+              "reduce_is_callers": em.comm.reduce_group is dist.group.WORLD,
+              "distinct": em.comm.gather_group is not em.comm.reduce_group}
+    em.close()
+    return {"gathered": out.tolist(), **groups}
+
+
+def test_the_callers_collectives_do_not_wait_for_the_runtimes_gathers() -> None:
+    for got in run_distributed(_barrier_beside_a_pending_gather, 2, timeout=90):
+        assert got["gathered"] == [0.0] * 8 + [1.0] * 8
+        assert not got["gather_is_callers"] and not got["reduce_is_callers"] and got["distinct"]

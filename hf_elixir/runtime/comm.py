@@ -1,15 +1,17 @@
 """Collectives over a process group, with a single-process fallback.
 
-Two process groups carry the traffic: one for parameter all-gathers and one for gradient
-reduce-scatters and the small all-reduces of the optimizer step. Gathers are issued in the
+Two process groups carry the traffic, both made at wrap time over the caller's ranks: one
+for parameter all-gathers and one for gradient reduce-scatters and the small all-reduces of
+the optimizer step. Neither is the caller's own group, so the caller's collectives (a
+barrier, a metric gather) never queue behind the gathers the optimizer step leaves running
+for the next pass. Gathers are issued in the
 (rank-identical) fetch order and reduce-scatters in the (rank-identical) descending chunk
 order, but how the two sequences interleave depends on when each rank's autograd engine
 reaches a hook; separate groups make each sequence match on its own.
 
 The backend follows the compute device, not the group's backend name: CUDA tensors go over
-NCCL and host tensors over gloo. When the group the caller gives cannot carry the device's
-tensors (``device="cpu"`` on a GPU machine whose default group is NCCL), a group of the
-right backend over the same ranks is made once, at wrap time. Callers move host tensors
+NCCL and host tensors over gloo, whatever the caller's group runs (``device="cpu"`` on a
+GPU machine whose default group is NCCL gets gloo groups). Callers move host tensors
 (offloaded shards) to the device before a collective, so a host shard and a device shard
 never meet in one call.
 
@@ -93,18 +95,6 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def group_carries(backend: str, device: torch.device) -> bool:
-    """Whether a group whose ``dist.get_backend`` is ``backend`` (``"nccl"``, ``"gloo"``, or a
-    per-device map such as ``"cpu:gloo,cuda:nccl"``) can run collectives on ``device``'s tensors."""
-    want = backend_for(device)
-    parts = [p.strip() for p in backend.lower().split(",")]
-    for part in parts:
-        dev, _, name = part.rpartition(":")
-        if name == want and (not dev or dev == device.type):
-            return True
-    return False
-
-
 @dataclass
 class Collectives:
     """The process groups the runtime talks over; world size 1 needs no group at all.
@@ -167,16 +157,13 @@ class Collectives:
         # which a destroyed group would hand to the next one, stale rendezvous keys and all
         whole_world = world_size == dist.get_world_size()
         make = lambda: dist.new_group(ranks, backend=backend, use_local_synchronization=not whole_world)  # noqa: E731
-        made = []
-        if not group_carries(str(dist.get_backend(process_group)), device):
-            # e.g. device="cpu" under an NCCL default group: same ranks, the device's backend
-            process_group = make()
-            made.append(process_group)
+        # both groups are the runtime's own (module docstring): gloo's barrier waits for
+        # every earlier collective of its group, and NCCL runs one communicator's in order
+        gather_group = make()
         reduce_group = make()
-        made.append(reduce_group)
-        owned = made if whole_world else []
+        owned = [gather_group, reduce_group] if whole_world else []
         host = backend == "gloo" and host_collectives(device.type)
-        return cls(rank=rank, world_size=world_size, gather_group=process_group,
+        return cls(rank=rank, world_size=world_size, gather_group=gather_group,
                    reduce_group=reduce_group, gloo=host, global_ranks=tuple(ranks), device=device,
                    owned_groups=tuple(owned),
                    _gather_fn=collective_function("all_gather_single", "all_gather_into_tensor"),
