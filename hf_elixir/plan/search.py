@@ -212,7 +212,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                         for p in _grid(1, n, 16):
                             on_host = frozenset(range(n - p, n))
                             # host shards change the fetching only at world size 1 (in place)
-                            fetched = fetches.replay(requests, R, d, 1, on_host) if world_size == 1 else replayed
+                            fetched = fetches.replay(requests, R, d, world_size, on_host) if world_size == 1 else replayed
                             sim_p = cost.simulate(seq, fetched, chunk_bytes, world_size, links,
                                                   param_cpu=on_host, adopted=adopted)
                             cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
