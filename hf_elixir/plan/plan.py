@@ -46,9 +46,22 @@ def canonical_dtype(dtype: str | torch.dtype) -> str:
     return _DTYPE_ALIASES[key]
 
 
+def chunked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters that chunks hold: every floating-point parameter, each once (tied ones
+    once). Trainable ones go to trainable chunks, frozen ones (``requires_grad=False``) to
+    frozen chunks; a chunk never mixes the two, so no gradient memory is spent on frozen
+    weights. Non-floating parameters (quantised storage) stay whole on every rank."""
+    return [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+
+
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters that chunks hold: those needing gradients, each once (tied ones once)."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    """The chunked parameters that need gradients, each once (tied ones once)."""
+    return [(n, p) for n, p in chunked_parameters(model) if p.requires_grad]
+
+
+def frozen_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The chunked parameters that do not need gradients (a PEFT base, frozen layers)."""
+    return [(n, p) for n, p in chunked_parameters(model) if not p.requires_grad]
 
 
 #: parameter offsets inside a chunk (and shard boundaries) are multiples of this many bytes,
@@ -76,22 +89,31 @@ def chunk_layout(numels: Iterable[int], itemsize: int, world_size: int) -> tuple
 
 
 def model_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A short digest of parameter names and shapes, to recognise a plan made for another model."""
+    """A short digest of parameter names and shapes (and which are frozen), to recognise a
+    plan made for another model. A model without frozen parameters keeps the digest it had
+    before frozen chunks existed."""
     h = hashlib.sha256()
     for name, p in named_params:
-        h.update(f"{name}:{tuple(p.shape)};".encode())
+        frozen = "" if p.requires_grad else ":frozen"
+        h.update(f"{name}:{tuple(p.shape)}{frozen};".encode())
     return h.hexdigest()[:16]
 
 
 @dataclass
 class ChunkPlan:
-    """One chunk: the parameters it packs, in order, and where its state lives."""
+    """One chunk: the parameters it packs, in order, and where its state lives.
+
+    A *frozen* chunk packs parameters that need no gradient: it holds only compute-dtype
+    shards (no fp32 master, no gradient buffer, no reduce-scatter, no optimizer state), so
+    ``optim_placement`` means nothing for it; ``param_placement="cpu"`` offloads its shards.
+    """
 
     params: list[str]
     optim_placement: Placement = "device"
     param_placement: Placement = "device"
     numel: int = 0  # elements of its parameters (0: not recorded); may exceed chunk_size
                     # only for a chunk holding one large parameter
+    frozen: bool = False
 
 
 @dataclass
@@ -150,10 +172,16 @@ class ElixirPlan:
         return [name for chunk in self.chunks for name in chunk.params]
 
     def offload_fraction(self) -> float:
-        """Fraction of chunks whose optimizer state lives in CPU memory."""
-        if not self.chunks:
+        """Fraction of trainable chunks whose optimizer state lives in CPU memory."""
+        trainable = [c for c in self.chunks if not c.frozen]
+        if not trainable:
             return 0.0
-        return sum(c.optim_placement == "cpu" for c in self.chunks) / len(self.chunks)
+        return sum(c.optim_placement == "cpu" for c in trainable) / len(trainable)
+
+    @property
+    def frozen_chunks(self) -> list[int]:
+        """Indices of the chunks that hold frozen parameters."""
+        return [i for i, c in enumerate(self.chunks) if c.frozen]
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -165,6 +193,7 @@ class ElixirPlan:
         rcache_blocks: int | None = None,
         offload_fraction: float = 0.0,
         offload_params: bool = False,
+        offload_frozen: float = 0.0,
         compute_dtype: str | torch.dtype = "float32",
         activation_checkpointing: bool = False,
         prefetch_depth: int = 1,
@@ -187,14 +216,23 @@ class ElixirPlan:
         ``pack_size`` (default chunk_size) fills chunks only up to that many elements: a
         parameter larger than it gets a chunk of its own, so a huge embedding does not force
         every chunk to its size. Smaller chunks overlap communication with compute better.
+
+        Frozen parameters (``requires_grad=False``) are packed into frozen chunks of their
+        own, in the same module order; ``offload_fraction`` counts trainable chunks only,
+        and ``offload_frozen`` places the last fraction of frozen chunks' shards in CPU
+        memory (read-only there: they are uploaded, never written back).
         """
         if world_size < 1:
             raise PlanError(f"world_size must be >= 1, got {world_size}")
-        if not 0.0 <= offload_fraction <= 1.0:
-            raise PlanError(f"offload_fraction must be within [0, 1], got {offload_fraction}")
-        named = trainable_parameters(model)
-        if not named:
-            raise PlanError("the model has no parameters that require gradients; nothing to shard")
+        for label, value in (("offload_fraction", offload_fraction), ("offload_frozen", offload_frozen)):
+            if not 0.0 <= value <= 1.0:
+                raise PlanError(f"{label} must be within [0, 1], got {value}")
+        named = chunked_parameters(model)
+        if not any(p.requires_grad for _, p in named):
+            raise PlanError(
+                "the model has no floating-point parameters that require gradients, so there is "
+                "nothing to train; unfreeze some (or add an adapter) before planning"
+            )
         if chunk_size is None:
             chunk_size = max(p.numel() for _, p in named)
         if chunk_size < 1:
@@ -202,25 +240,35 @@ class ElixirPlan:
         chunk_size = -(-chunk_size // world_size) * world_size
         fill = chunk_size if pack_size is None else min(max(pack_size, 1), chunk_size)
         groups: list[list[str]] = []
+        kinds: list[bool] = []  # frozen?
         used = chunk_size
         for name, p in named:
+            frozen = not p.requires_grad
             if p.numel() > chunk_size:  # alone in a chunk of its own size
                 groups.append([name])
+                kinds.append(frozen)
                 used = chunk_size
                 continue
-            if not groups or used + p.numel() > fill:  # (a zero-size parameter opens one too)
+            # a new chunk when this one is full or holds the other kind (a zero-size
+            # parameter opens one too)
+            if not groups or used + p.numel() > fill or kinds[-1] != frozen:
                 groups.append([])
+                kinds.append(frozen)
                 used = 0
             groups[-1].append(name)
             used += p.numel()
-        n_off = round(len(groups) * offload_fraction)
         sizes = {name: p.numel() for name, p in named}
+        trainable_ids = [i for i, k in enumerate(kinds) if not k]
+        frozen_ids = [i for i, k in enumerate(kinds) if k]
+        optim_off = set(trainable_ids[len(trainable_ids) - round(len(trainable_ids) * offload_fraction):])
+        frozen_off = set(frozen_ids[len(frozen_ids) - round(len(frozen_ids) * offload_frozen):])
         chunks = [
             ChunkPlan(
                 params=g,
-                optim_placement="cpu" if i >= len(groups) - n_off else "device",
-                param_placement="cpu" if offload_params and i >= len(groups) - n_off else "device",
+                optim_placement="cpu" if i in optim_off else "device",
+                param_placement="cpu" if (offload_params and i in optim_off) or i in frozen_off else "device",
                 numel=sum(sizes[name] for name in g),
+                frozen=kinds[i],
             )
             for i, g in enumerate(groups)
         ]
@@ -287,21 +335,31 @@ class ElixirPlan:
                 seen[name] = i
         if model is None:
             return
-        named = dict(trainable_parameters(model))
+        named = dict(chunked_parameters(model))
         missing = [n for n in seen if n not in named]
         if missing:
             raise PlanError(
-                f"the plan names parameters the model does not have (or that do not require "
-                f"grad): {missing[:5]}{' ...' if len(missing) > 5 else ''}; the plan was made "
-                "for another model: make a new plan for this one"
+                f"the plan names parameters the model does not have: {missing[:5]}"
+                f"{' ...' if len(missing) > 5 else ''}; the plan was made for another model: "
+                "make a new plan for this one"
             )
         absent = [n for n in named if n not in seen]
         if absent:
             raise PlanError(
-                f"the plan leaves out trainable parameters {absent[:5]}"
-                f"{' ...' if len(absent) > 5 else ''}; make a new plan for this model"
+                f"the plan leaves out parameters {absent[:5]}"
+                f"{' ...' if len(absent) > 5 else ''}; make a new plan for this model (plans "
+                "hold frozen parameters too, in frozen chunks)"
             )
-        if self.signature and self.signature != model_signature(trainable_parameters(model)):
+        for i, c in enumerate(self.chunks):
+            wrong = [n for n in c.params if named[n].requires_grad == c.frozen]
+            if wrong:
+                now = "requires" if c.frozen else "does not require"
+                raise PlanError(
+                    f"parameter {wrong[0]!r} {now} grad but the plan holds it in a "
+                    f"{'frozen' if c.frozen else 'trainable'} chunk ({i}): the model was frozen or "
+                    "unfrozen after planning; make the plan after setting requires_grad"
+                )
+        if self.signature and self.signature != model_signature(chunked_parameters(model)):
             raise PlanError(
                 "the plan was made for a model whose parameter shapes differ from this one; "
                 "make a new plan for this model"

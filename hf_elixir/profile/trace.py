@@ -134,7 +134,8 @@ def tied_parameters(model: nn.Module) -> list[list[str]]:
 
 def module_parameters(model: nn.Module, fetch_units: Iterable[str] = (),
                       borrowed: dict[str, list[str]] | None = None) -> dict[str, list[str]]:
-    """Module name -> canonical names of the trainable parameters the runtime fetches for it.
+    """Module name -> canonical names of the parameters the runtime fetches for it (every
+    chunked parameter: trainable ones and frozen ones, see ``plan.chunked_parameters``).
 
     A module owns its direct parameters; a fetch unit owns its whole subtree and its
     descendants own nothing; ``borrowed`` (see ``find_borrowed_reads``) adds parameters a
@@ -149,7 +150,7 @@ def module_parameters(model: nn.Module, fetch_units: Iterable[str] = (),
         params = module.parameters() if mname in units else module.parameters(recurse=False)
         own: list[str] = []
         for p in params:
-            if p.requires_grad and names[id(p)] not in own:
+            if p.is_floating_point() and names[id(p)] not in own:
                 own.append(names[id(p)])
         own += [p for p in (borrowed or {}).get(mname, []) if p not in own]
         if own and mname not in owned:
@@ -198,11 +199,11 @@ def _storage_id(t: torch.Tensor) -> int | None:
 
 def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
                         fetch_units: Iterable[str] = ()) -> dict[str, list[str]]:
-    """Module name -> trainable parameters its forward reads but the runtime would not
-    fetch for it, found by running one forward of ``model`` (a meta copy, normally)."""
+    """Module name -> chunked parameters its forward reads but the runtime would not fetch
+    for it, found by running one forward of ``model`` (a meta copy, normally)."""
     units = list(fetch_units)
     names = parameter_names(model)
-    storages = {_storage_id(p): names[id(p)] for p in model.parameters() if p.requires_grad}
+    storages = {_storage_id(p): names[id(p)] for p in model.parameters() if p.is_floating_point()}
     unit_of = {}
     for mname, _ in model.named_modules():
         unit_of[mname] = next((u for u in units if mname == u or mname.startswith(u + ".")), mname)

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from hf_elixir.runtime.comm import Collectives, Work
+from hf_elixir.runtime.released import mark_gathered, mark_released
 
 
 class ChunkState(enum.Enum):
@@ -92,6 +93,9 @@ class Chunk:
     upload_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
     host_read_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
     _upload_tmp: Optional[torch.Tensor] = field(default=None, repr=False)
+    # a frozen chunk holds parameters that need no gradient: its shard is all it has (the
+    # master aliases it, the gradient shard is empty, it is never reduced or updated)
+    frozen: bool = False
 
     @property
     def shard_size(self) -> int:
@@ -182,7 +186,7 @@ class Chunk:
         self.work.wait()
         self._upload_tmp = None  # the compute stream now waits for the gather that read it
         for slot in self.slots:
-            slot.param.data = self.full[slot.offset : slot.offset + slot.numel].view(slot.shape)
+            mark_gathered(slot.param, self.full[slot.offset : slot.offset + slot.numel].view(slot.shape))
         self.state = ChunkState.GATHERED
 
     # ------------------------------------------------------------------ host <-> device fences
@@ -212,11 +216,12 @@ class Chunk:
             self.upload_event = _record(stream)
 
     def release(self, placeholder: torch.Tensor) -> None:
-        """Parameters become empty tensors until the next gather. The block stays allocated
-        (re-gathering into it costs no allocation) until the rCache evicts it."""
+        """Parameters become unreadable stand-ins (``released.py``) until the next gather. The
+        block stays allocated (re-gathering into it costs no allocation) until the rCache
+        evicts it."""
         assert self.state is ChunkState.GATHERED and self.pins == 0
         for slot in self.slots:
-            slot.param.data = placeholder
+            mark_released(slot.param, placeholder)
         self.state = ChunkState.RELEASED
 
     # ------------------------------------------------------------------ gradients

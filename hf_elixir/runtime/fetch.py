@@ -70,11 +70,18 @@ class Fetcher:
             assert chunk.pins > 0, f"chunk {cid} unpinned more often than pinned"
             chunk.pins -= 1
 
-    def release_all(self) -> None:
+    def release_all(self, keep_frozen: bool = False) -> None:
         """Mark every gathered chunk stale (before the shards change: an optimizer step, a
         load). Their blocks stay allocated for the next gathers. Waits for every copy that
-        reads host shards, so the host may overwrite them when this returns."""
+        reads host shards, so the host may overwrite them when this returns.
+
+        ``keep_frozen`` leaves gathered frozen chunks gathered (an optimizer step cannot
+        change them, so the next pass need not gather them again)."""
         for chunk in self.chunks:
+            if keep_frozen and chunk.frozen:
+                if chunk.state is ChunkState.GATHERED:
+                    chunk.pins = 0
+                continue
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
             if chunk.state is ChunkState.GATHERED:

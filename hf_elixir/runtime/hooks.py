@@ -9,6 +9,15 @@ For a module that owns chunked parameters:
 - each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
 At the end of every backward (an autograd engine callback) leftover pins are dropped and
 the remaining chunks are reduce-scattered.
+
+Reads that no module hook sees (a fused loss reading ``lm_head.weight`` directly, a custom
+autograd function) reach ``read_released`` through the released parameter itself
+(``released.py``). Inside a forward or a backward of the model every rank runs the same
+code, so the chunk is gathered there and *held* (pinned) until the backward that follows is
+over, or until the forward ends when no graph is being built: autograd may have saved a
+view of the weight, which must still hold the gathered values when its backward runs.
+FSDP2 keeps its root's parameters gathered from forward to backward for the same reason.
+Everywhere else a read raises: a gather there is a collective that may run on one rank only.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.reduce import GradReducer
+from hf_elixir.runtime.released import ReleasedParameterError, attach_reader, detach_reader, released_read_error
 
 
 def in_backward() -> bool:
@@ -53,21 +63,51 @@ class HookManager:
     handles: list = field(default_factory=list)
     _open_calls: list[_Call] = field(default_factory=list)
     _callback_queued: bool = False
+    _forward_depth: int = 0        # forwards of the root or of a fetch unit now running
+    _gathering_context: int = 0    # ElixirModule.gathered_parameters() blocks now open
+    holds: list[int] = field(default_factory=list)  # chunks pinned for reads outside modules
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
         self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
+        self.handles.append(self.root.register_forward_hook(self._root_post_forward, always_call=True))
         for module, cids in self.units.items():
             pre, post = self._make_pre_forward(cids)
             self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        manager = weakref.ref(self)  # the reader lives on the parameter: no strong cycle
         for slot, chunk in zip(self.slots, self.slot_chunk):
-            self.handles.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot, chunk)))
+            if not chunk.frozen:
+                self.handles.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot, chunk)))
+            attach_reader(slot.param, slot.name, slot.shape, _make_reader(manager, slot.name, chunk.index))
 
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        for slot in self.slots:
+            detach_reader(slot.param)
+
+    # ------------------------------------------------------------------ reads outside modules
+    def read_released(self, name: str, cid: int) -> None:
+        """A released parameter of chunk ``cid`` is being read outside its modules' hooks."""
+        backward = in_backward()
+        if not (self._forward_depth or backward or self._gathering_context):
+            raise released_read_error(name)
+        if backward:
+            self._ensure_end_callback()
+        self.fetcher.fetch([cid])
+        self.holds.append(cid)
+
+    def hold(self, cids: Sequence[int]) -> None:
+        """Keep chunks already fetched (pinned) by the caller pinned until the backward that
+        follows is over (``drop_holds``)."""
+        self.holds.extend(cids)
+
+    def drop_holds(self) -> None:
+        """Unpin every held chunk (end of backward, end of a no-grad forward, optimizer step)."""
+        holds, self.holds = self.holds, []
+        self.fetcher.unpin(holds)
 
     # ------------------------------------------------------------------ forward
     def _root_pre_forward(self, module: nn.Module, args: Any) -> None:
@@ -75,6 +115,12 @@ class HookManager:
             if self._callback_queued:  # the last backward raised before it finished
                 self._abandon_backward()
             self.cache.begin_pass(record=torch.is_grad_enabled() and module.training)
+        self._forward_depth += 1
+
+    def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._forward_depth -= 1
+        if not self._forward_depth and not torch.is_grad_enabled() and not in_backward():
+            self.drop_holds()  # no graph saved a view of them: nothing to keep for
 
     def _make_pre_forward(self, cids: list[int]):
         stack: list[_Call] = []  # calls of this module still inside their forward
@@ -82,6 +128,7 @@ class HookManager:
         def pre_forward(module: nn.Module, args: tuple, kwargs: dict):
             call = _Call(cids)
             stack.append(call)  # before fetching: post_forward runs (always_call) even if it fails
+            self._forward_depth += 1
             self.fetcher.fetch(cids)
             call.fetched = True
             if torch.is_grad_enabled():
@@ -90,6 +137,7 @@ class HookManager:
 
         def post_forward(module: nn.Module, args: tuple, kwargs: dict, output: Any):
             call = stack.pop()
+            self._forward_depth -= 1
             if not call.fetched:  # the fetch failed and unpinned what it had pinned
                 return output
             self.fetcher.unpin(call.cids)
@@ -146,6 +194,7 @@ class HookManager:
         for call in self._open_calls:
             self._post_backward(call)
         self._open_calls.clear()
+        self.drop_holds()
         self.reducer.abandon()
 
     def _end_backward(self) -> None:
@@ -153,4 +202,17 @@ class HookManager:
         for call in self._open_calls:
             self._post_backward(call)
         self._open_calls.clear()
+        self.drop_holds()
         self.reducer.end_backward()
+
+
+def _make_reader(manager: "weakref.ReferenceType[HookManager]", name: str, cid: int):
+    def read(param: torch.Tensor) -> None:
+        live = manager()
+        if live is None:
+            raise ReleasedParameterError(
+                f"hf_elixir: parameter {name!r} belongs to a runtime that no longer exists; its "
+                "values are gone with it (save the model before dropping the ElixirModule)")
+        live.read_released(name, cid)
+
+    return read

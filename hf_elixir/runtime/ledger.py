@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 CATEGORIES = (
-    "param_shards",      # compute-dtype parameter shards placed on the device
+    "param_shards",      # compute-dtype shards of trainable parameters placed on the device
+    "frozen_shards",     # compute-dtype shards of frozen parameters placed on the device
     "rcache",            # gathered chunks (at most rcache_blocks of them)
     "grad_buffers",      # full-chunk gradients waiting to be reduce-scattered
     "grad_shards",       # fp32 gradient shards on the device

@@ -28,6 +28,7 @@ from hf_elixir.runtime.hooks import HookManager
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.reduce import GradReducer
+from hf_elixir.runtime.released import attach_reader, mark_released
 
 _WRAPPED_ATTR = "_hf_elixir_wrapped"
 
@@ -105,7 +106,12 @@ def _enable_activation_checkpointing(model: nn.Module) -> None:
 
 
 class ElixirModule(nn.Module):
-    """Shards ``model``'s trainable parameters into the chunks ``plan`` describes.
+    """Shards ``model``'s parameters into the chunks ``plan`` describes: trainable ones into
+    trainable chunks (fp32 master, gradient and optimizer shards), frozen ones into frozen
+    chunks (compute-dtype shards only). While a chunk is released its parameters are
+    unreadable stand-ins (``runtime/released.py``): read inside the model's forward or
+    backward they are gathered on the spot; read elsewhere they raise, naming the parameter
+    (``gathered_parameters()`` reads them there).
 
     Args:
         model: the model, with real parameters on the CPU (or the compute device).
@@ -167,6 +173,7 @@ class ElixirModule(nn.Module):
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
         self.slot_by_name = {s.name: s for s in self.slots}
+        self._slot_of_param = {id(s.param): s for s in self.slots}
         self.cache = RCache(plan.rcache_blocks, agree=self._same_on_every_rank if self.comm.distributed else None)
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder)
         self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots))
@@ -188,9 +195,10 @@ class ElixirModule(nn.Module):
         return self.device if where == "device" else torch.device("cpu")
 
     def _move_untracked(self, sync: bool) -> None:
-        """Frozen parameters and buffers stay whole on every rank (they need no gradients)."""
+        """Parameters that are not floating point (quantised storage, which no chunk holds)
+        and buffers stay whole on every rank."""
         for p in self.module.parameters():
-            if not p.requires_grad:
+            if not p.is_floating_point():
                 data = p.data.to(self.device)
                 if data.is_floating_point():
                     data = data.to(self.dtype)
@@ -225,7 +233,7 @@ class ElixirModule(nn.Module):
             return {}, {}
         W = self.comm.world_size
         offloaded = [i for i, c in enumerate(self.plan.chunks) if c.param_placement == "cpu"]
-        staged = [i for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu"]
+        staged = [i for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu" and not c.frozen]
         pools = []
         for ids in (offloaded, staged):
             views = _pinned_pool(self.dtype, [layout[i][0] // W for i in ids]) if ids else []
@@ -262,27 +270,29 @@ class ElixirModule(nn.Module):
                 shard.copy_(local)
             else:
                 shard = local.to(param_dev, dtype=self.dtype, copy=True)
-            if self.dtype == torch.float32 and param_dev == optim_dev:
-                master = shard
+            if cplan.frozen or (self.dtype == torch.float32 and param_dev == optim_dev):
+                master = shard  # a frozen chunk has no master: it never changes
             else:
                 master = local.to(optim_dev, dtype=torch.float32, copy=True)
+            grad_size = 0 if cplan.frozen else shard_size
             in_place = W == 1 and param_dev == self.device
             chunk = Chunk(
                 index=cid, size=size, dtype=self.dtype, device=self.device,
                 param_device=param_dev, optim_device=optim_dev, comm=self.comm, slots=chunk_slots,
                 shard=shard, master=master,
-                grad_shard=torch.zeros(shard_size, dtype=torch.float32, device=optim_dev),
+                grad_shard=torch.zeros(grad_size, dtype=torch.float32, device=optim_dev),
                 full=shard if in_place else torch.empty(size, dtype=self.dtype, device=self.device),
-                copy_stream=self.copy_stream, staging=staging.get(cid),
+                copy_stream=self.copy_stream, staging=None if cplan.frozen else staging.get(cid),
+                frozen=cplan.frozen,
             )
             if not in_place:
                 chunk.full.untyped_storage().resize_(0)
             for slot in chunk_slots:
-                slot.param.data = self._placeholder
+                mark_released(slot.param, self._placeholder)
             shard_bytes = shard_size * self.dtype.itemsize
             if cplan.param_placement == "device":
-                self.ledger.add("param_shards", shard_bytes)
-            if cplan.optim_placement == "device":
+                self.ledger.add("frozen_shards" if cplan.frozen else "param_shards", shard_bytes)
+            if cplan.optim_placement == "device" and not cplan.frozen:
                 self.ledger.add("grad_shards", shard_size * 4)
                 if not chunk.master_aliased:
                     self.ledger.add("optimizer_state", shard_size * 4)
@@ -365,9 +375,54 @@ class ElixirModule(nn.Module):
         self.drain()
         self.comm.close()
 
-    def release_all(self) -> None:
-        """Drop every gathered chunk (called after an optimizer step changes the shards)."""
-        self.fetcher.release_all()
+    def release_all(self, keep_frozen: bool = False) -> None:
+        """Drop every gathered chunk (called before an optimizer step or a load changes the
+        shards), and every hold of a read outside the modules. ``keep_frozen``: frozen
+        chunks, which no step changes, stay gathered."""
+        self.hooks.drop_holds()
+        self.fetcher.release_all(keep_frozen=keep_frozen)
+
+    @contextlib.contextmanager
+    def gathered_parameters(self, *params: nn.Parameter | str) -> Iterator[None]:
+        """Gather the chunks of ``params`` (parameters or their names; none: every chunk) so
+        code outside the model's forward can read them. Collective: every rank must enter it
+        with the same parameters.
+
+        Inside, the parameters hold their full values; gradients of what is computed from
+        them reach their chunks like any other gradient. When the block is left with
+        gradients enabled, the chunks stay gathered until the next backward is over (it may
+        read views autograd saved), else they are released at once. The chunks must fit in
+        the rCache beside what is already in use.
+        """
+        if params:
+            cids: set[int] = set()
+            for p in params:
+                slot = self.slot_by_name.get(p) if isinstance(p, str) else self._slot_of_param.get(id(p))
+                if slot is None:
+                    raise ValueError(
+                        f"{p if isinstance(p, str) else 'this parameter'} is not a parameter held "
+                        "in this ElixirModule's chunks; pass parameters of the wrapped model (or "
+                        "their names from named_parameters())")
+                cids.add(self._slot_chunk[slot.index])
+        else:
+            cids = set(range(len(self.chunks)))
+        needed = sorted(cids)
+        free = self.cache.capacity - sum(1 for c in self.chunks if c.pins > 0 and c.index not in cids)
+        if len(needed) > free:
+            raise ValueError(
+                f"gathered_parameters needs {len(needed)} chunks at once but the rCache has room "
+                f"for {free} ({self.cache.capacity} blocks); gather fewer parameters at a time "
+                "or make a plan with more rcache_blocks")
+        self.fetcher.fetch(needed)
+        self.hooks._gathering_context += 1
+        try:
+            yield
+        finally:
+            self.hooks._gathering_context -= 1
+            if torch.is_grad_enabled():
+                self.hooks.hold(needed)
+            else:
+                self.fetcher.unpin(needed)
 
     def prefetch_next_pass(self) -> None:
         """Start gathering the chunks the next forward needs first (after an optimizer step

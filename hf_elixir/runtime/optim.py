@@ -94,7 +94,11 @@ class ElixirOptimizer(Optimizer):
         names = ("exp_avg", "exp_avg_sq") if self.algorithm != "sgd" else ("momentum_buffer",)
         if self.algorithm == "sgd" and all(g.get("momentum", 0) == 0 for g in self.param_groups):
             names = ()
+        self.state_names: tuple[str, ...] = names
         for chunk in self.module.chunks:
+            if chunk.frozen:  # no gradient, no update, no state
+                self.flat_state.append({})
+                continue
             state = {n: self._alloc(chunk) for n in names}
             self.flat_state.append(state)
             for slot, _, _, _ in chunk.local_slices():
@@ -188,10 +192,12 @@ class ElixirOptimizer(Optimizer):
         """Full (unsharded) state in torch.optim's own format, keyed like the user's optimizer
         would key it; collective: call on every rank."""
         steps = self._global_steps()
-        names = list(self.flat_state[0]) if self.flat_state else []
+        names = self.state_names
         full_state: dict[int, dict[str, torch.Tensor]] = {}
         per_slot: dict[int, dict[str, torch.Tensor]] = defaultdict(dict)
         for chunk, flat in zip(self.module.chunks, self.flat_state):
+            if chunk.frozen:
+                continue
             for name in names:
                 full = torch.empty(chunk.size, dtype=torch.float32, device=chunk.device)
                 self.module.comm.all_gather(full, flat[name].to(chunk.device)).wait()
@@ -230,7 +236,7 @@ class ElixirOptimizer(Optimizer):
                 "per group than this optimizer; it was saved for another model or grouping"
             )
         index = dict(self._param_index())
-        names = list(self.flat_state[0]) if self.flat_state else []
+        names = self.state_names
         for idx, entry in state_dict["state"].items():
             slot = index.get(int(idx))
             if slot is None:
@@ -249,6 +255,8 @@ class ElixirOptimizer(Optimizer):
         by_slot = {index[int(i)].index: e for i, e in state_dict["state"].items() if index.get(int(i))}
         self._momentum_started.clear()
         for chunk, flat in zip(self.module.chunks, self.flat_state):
+            if chunk.frozen:
+                continue
             for slot, begin, end, pbegin in chunk.local_slices():
                 entry = by_slot.get(slot.index, {})
                 for name in names:
@@ -286,13 +294,15 @@ class ElixirOptimizer(Optimizer):
                 return loss
         active = self.module.reducer.global_seen()
         # gathered views of the old shards are dropped and every copy reading host shards is
-        # finished before any shard changes
-        self.module.release_all()
+        # finished before any shard changes (frozen chunks cannot change: they stay gathered)
+        self.module.release_all(keep_frozen=True)
         readers_done = None
         if self.module.copy_stream is not None:  # uploads may start once this much has run
             readers_done = torch.cuda.current_stream(self.module.device).record_event()
         batches: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
         for chunk, state in zip(self.module.chunks, self.flat_state):
+            if chunk.frozen:
+                continue
             # a staged chunk (host optimizer, CUDA device) is updated on its own, so its
             # upload overlaps the update of the next one
             key_chunk = chunk.index if chunk.uploads_from_staging else -1

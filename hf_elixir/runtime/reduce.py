@@ -1,7 +1,7 @@
 """Gradient hand-off: full-chunk gradients are reduce-scattered into fp32 gradient shards.
 
-Chunks are reduce-scattered strictly in descending index order, every chunk once per
-backward. A chunk goes as soon as all its parameters have their gradient and every
+Trainable chunks are reduce-scattered strictly in descending index order, every chunk once
+per backward (frozen chunks have no gradient and take no part). A chunk goes as soon as all its parameters have their gradient and every
 higher chunk has gone; what is left at the end of backward (parameters that got no
 gradient on this rank, e.g. experts nobody routed to) goes then, with zeros. Because the
 sequence of chunks is the same on every rank, the collectives line up even when ranks
@@ -42,10 +42,11 @@ class GradReducer:
         max_in_flight: int = REDUCTIONS_IN_FLIGHT,
     ) -> None:
         self.chunks = chunks
+        self.trainable = [c for c in chunks if not c.frozen]
         self.comm = comm
         self.ledger = ledger
         self.max_in_flight = max_in_flight
-        self.next = len(chunks) - 1          # the next chunk to reduce-scatter
+        self.next = len(self.trainable) - 1  # position in ``trainable`` of the next to reduce
         self.late: set[int] = set()          # chunks that received gradients after going
         self.pending: deque[tuple[Chunk, Optional[torch.Tensor], Work]] = deque()
         self.downloads: list[Chunk] = []     # staged chunks whose download is in flight
@@ -88,8 +89,8 @@ class GradReducer:
         )
 
     def _flush_ready(self) -> None:
-        while self.next >= 0 and (self.chunks[self.next].grads_complete or self.chunks[self.next].direct_grads):
-            self._reduce(self.chunks[self.next])
+        while self.next >= 0 and (self.trainable[self.next].grads_complete or self.trainable[self.next].direct_grads):
+            self._reduce(self.trainable[self.next])
             self.next -= 1
 
     def _reduce(self, chunk: Chunk) -> None:
@@ -147,7 +148,7 @@ class GradReducer:
     def end_backward(self) -> None:
         """Reduce what is left, wait for every reduce-scatter, reset for the next backward."""
         while self.next >= 0:
-            self._reduce(self.chunks[self.next])
+            self._reduce(self.trainable[self.next])
             self.next -= 1
         for cid in self.agreed_late():
             chunk = self.chunks[cid]
@@ -161,7 +162,7 @@ class GradReducer:
             chunk.grads_received.clear()
             chunk.reduced = False
         self.late.clear()
-        self.next = len(self.chunks) - 1
+        self.next = len(self.trainable) - 1
         self.comm.counter.backward_passes += 1
 
     def agreed_late(self) -> list[int]:
@@ -187,7 +188,7 @@ class GradReducer:
             chunk.grads_received.clear()
             chunk.reduced = False
         self.late.clear()
-        self.next = len(self.chunks) - 1
+        self.next = len(self.trainable) - 1
 
     def global_seen(self) -> torch.Tensor:
         """Per parameter: did any rank receive a gradient since the last step? (one all-reduce)"""
