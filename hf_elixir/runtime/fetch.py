@@ -35,6 +35,7 @@ class Fetcher:
         self.ledger = ledger
         self.prefetch_depth = prefetch_depth
         self.placeholder = placeholder
+        self.held: list[int] = []  # chunks pinned for reads outside the modules (hooks.py)
 
     # ------------------------------------------------------------------ public
     def fetch(self, cids: Sequence[int]) -> None:
@@ -136,10 +137,15 @@ class Fetcher:
                         self.chunks[cid].finish_gather()
                     continue
                 pinned = sorted(self.cache.resident)
+                held = sorted(set(self.held) & set(pinned))
+                why = (
+                    f"; chunks {held} are held for reads outside the modules (a loss reading a "
+                    "weight directly, gathered_parameters()) until the backward ends, so plan "
+                    f"{len(held)} block(s) more than the model's own minimum" if held else "")
                 raise RCacheTooSmall(
                     f"the rCache has {self.cache.capacity} blocks and all hold chunks in use "
                     f"({pinned}) while chunks {list(exclude)} are needed; make a plan with more "
-                    "rcache_blocks (or a larger chunk_size, so one module spans fewer chunks)"
+                    f"rcache_blocks (or a larger chunk_size, so one module spans fewer chunks){why}"
                 )
             self._evict(victim)
 

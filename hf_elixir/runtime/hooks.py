@@ -97,16 +97,18 @@ class HookManager:
         if backward:
             self._ensure_end_callback()
         self.fetcher.fetch([cid])
-        self.holds.append(cid)
+        self.hold([cid])
 
     def hold(self, cids: Sequence[int]) -> None:
         """Keep chunks already fetched (pinned) by the caller pinned until the backward that
         follows is over (``drop_holds``)."""
         self.holds.extend(cids)
+        self.fetcher.held = self.holds
 
     def drop_holds(self) -> None:
         """Unpin every held chunk (end of backward, end of a no-grad forward, optimizer step)."""
         holds, self.holds = self.holds, []
+        self.fetcher.held = self.holds
         self.fetcher.unpin(holds)
 
     # ------------------------------------------------------------------ forward
