@@ -8,6 +8,7 @@ depends only on that request sequence, so the collectives line up.
 
 from __future__ import annotations
 
+import warnings
 from typing import Sequence
 
 import torch
@@ -36,6 +37,7 @@ class Fetcher:
         self.prefetch_depth = prefetch_depth
         self.placeholder = placeholder
         self.held: list[int] = []  # chunks pinned for reads outside the modules (hooks.py)
+        self._warned_over = False
 
     # ------------------------------------------------------------------ public
     def fetch(self, cids: Sequence[int]) -> None:
@@ -102,6 +104,15 @@ class Fetcher:
         chunk.take_block()
         self.cache.admit(chunk.index)
         self.ledger.add("rcache", chunk.full_bytes)
+        if len(self.cache.resident) > self.cache.capacity and not self._warned_over:
+            self._warned_over = True
+            warnings.warn(
+                f"hf_elixir: the rCache holds {len(self.cache.resident)} gathered chunks, more than "
+                f"the plan's {self.cache.capacity}, because chunks {sorted(set(self.held))} are held "
+                "for reads outside their modules (a loss reading a weight directly, "
+                "gathered_parameters()) until the backward ends. Memory use is above the plan's "
+                f"prediction by up to {len(set(self.held))} block(s); a plan with that many more "
+                "rcache_blocks stays within it", RuntimeWarning, stacklevel=2)
 
     def _gather(self, chunk: Chunk, async_op: bool) -> None:
         self.cache.stats.gathers += 1
@@ -128,7 +139,11 @@ class Fetcher:
         return stale or ready
 
     def _make_room(self, exclude: Sequence[int]) -> None:
-        while self.cache.full:
+        # A chunk held for a read outside the modules may stay pinned until the backward
+        # ends, longer than the plan's trace knows: each one may take a block beyond the
+        # plan's capacity (with a warning) rather than stop the step.
+        capacity = self.cache.capacity + len(set(self.held))
+        while len(self.cache.resident) >= capacity:
             victim = self.cache.choose_victim(self._evictable(exclude))
             if victim is None:
                 in_flight = [c for c in self.cache.resident if self.chunks[c].state is ChunkState.GATHERING]
@@ -137,15 +152,10 @@ class Fetcher:
                         self.chunks[cid].finish_gather()
                     continue
                 pinned = sorted(self.cache.resident)
-                held = sorted(set(self.held) & set(pinned))
-                why = (
-                    f"; chunks {held} are held for reads outside the modules (a loss reading a "
-                    "weight directly, gathered_parameters()) until the backward ends, so plan "
-                    f"{len(held)} block(s) more than the model's own minimum" if held else "")
                 raise RCacheTooSmall(
                     f"the rCache has {self.cache.capacity} blocks and all hold chunks in use "
                     f"({pinned}) while chunks {list(exclude)} are needed; make a plan with more "
-                    f"rcache_blocks (or a larger chunk_size, so one module spans fewer chunks){why}"
+                    "rcache_blocks (or a larger chunk_size, so one module spans fewer chunks)"
                 )
             self._evict(victim)
 
