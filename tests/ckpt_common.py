@@ -61,7 +61,8 @@ class Run:
             "opt": [{k: v.clone() for k, v in s.items()} for s in self.eopt.flat_state],
             "steps": {k: float(v) for k, v in self.eopt.steps.items()},
             "groups": [{k: v for k, v in g.items() if k != "params"} for g in self.eopt.param_groups],
-            "untracked": {k: v.clone() for k, v in self.model.state_dict().items() if "attn.bias" in k or "masked" in k},
+            # buffers only: parameters of a wrapped model are unreadable while released
+            "untracked": {k: v.clone() for k, v in self.model.named_buffers()},
         }
 
 

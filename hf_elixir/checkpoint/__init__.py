@@ -3,7 +3,8 @@
 ``save(emodel, eoptimizer, directory)`` and ``load(emodel, eoptimizer, directory)`` are
 collective; ``export(directory, output)`` runs in one process without a process group and
 writes a folder ``AutoModelForCausalLM.from_pretrained`` loads. The format is described in
-``sharded.py`` and DESIGN.md section 5.
+``sharded.py`` and DESIGN.md section 5. Frozen weights (a PEFT base) are recorded by digest,
+not stored, and a load refuses another base (``frozen.py``).
 """
 
 from hf_elixir.checkpoint.errors import CheckpointError

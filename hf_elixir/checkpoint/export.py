@@ -4,6 +4,15 @@ One process, no GPU, no process group. Tensors are assembled one at a time from 
 slices (read with ``pread``, no memory map) and written straight into the output file, whose
 header is computed up front from the index; memory therefore stays at about one tensor
 (two when casting), far below one output shard.
+
+A checkpoint of a model with frozen parameters (a PEFT base, frozen embeddings) does not
+hold them (``sharded.py``), so it cannot be turned into a full model on its own, and export
+refuses it with what to do instead. Rebuilding the frozen part from some other folder would
+need that folder's key names mapped onto the wrapped model's (PEFT renames every base
+weight) and could silently pair the adapters with the wrong base; the run that has the
+model already has the right base and the right names: load the checkpoint there and save
+with ``accelerator.save_model`` / ``trainer.save_model`` (a PEFT model's adapter folder,
+which ``PeftModel.from_pretrained`` loads onto its base) or ``ElixirModule.state_dict()``.
 """
 
 from __future__ import annotations
@@ -19,7 +28,8 @@ import torch
 
 from hf_elixir.checkpoint import atomic
 from hf_elixir.checkpoint.errors import CheckpointError
-from hf_elixir.checkpoint.index import UNTRACKED_NAME, resolve, verify_hashes
+from hf_elixir.checkpoint.frozen import SavedFrozen
+from hf_elixir.checkpoint.index import INDEX_NAME, UNTRACKED_NAME, resolve, verify_hashes
 from hf_elixir.checkpoint.io import SafetensorsWriter, TensorSpec, dtype_from_name, dtype_name
 from hf_elixir.checkpoint.sharded import _Source
 
@@ -62,11 +72,14 @@ def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
 
     ``dtype``: cast floating tensors to this dtype (default: each parameter's dtype before
     training). The output directory is written under a temporary name and renamed when
-    complete. Returns a summary (files, total bytes, largest tensor bytes).
+    complete. Returns a summary (files, total bytes, largest tensor bytes). A checkpoint that
+    does not hold its frozen weights (a LoRA run's) is refused, saying what to do instead
+    (module docstring).
     """
     out_dtype = parse_dtype(dtype)
     limit = parse_size(max_shard_size)
     path, index = resolve(directory)
+    _refuse_without_frozen_base(path, index)
     output = Path(output).absolute()
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise CheckpointError(f"{output} exists and is not empty; export into a new or empty directory")
@@ -145,6 +158,23 @@ def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
     return {"output": str(output), "files": names + ([WEIGHTS_INDEX_NAME] if n > 1 else []),
             "total_bytes": total, "largest_tensor_bytes": largest, "tensors": len(specs),
             "has_config": "config.json" in index.get("hf_files", [])}
+
+
+def _refuse_without_frozen_base(path: Path, index: dict) -> None:
+    """A checkpoint that recorded frozen weights by digest only cannot be exported alone."""
+    saved = SavedFrozen.from_index(index, str(path / INDEX_NAME))
+    if saved is None or not saved.records:
+        return
+    names = list(saved.records)
+    raise CheckpointError(
+        f"{path}: this checkpoint holds only the trainable state of a model with frozen weights "
+        f"({len(names)} frozen tensors, {saved.nbytes / 2**20:.1f} MiB, e.g. {names[0]!r}), which "
+        "checkpoints do not store, so it cannot be exported on its own. Build the model on the base it "
+        "was trained from, load this checkpoint into it (hf_elixir.checkpoint.load, "
+        "accelerator.load_state, or the Trainer's resume_from_checkpoint), then save with "
+        "accelerator.save_model / trainer.save_model (for a PEFT model: the adapter folder that "
+        "PeftModel.from_pretrained loads onto its base) or take ElixirModule.state_dict() for the full weights"
+    )
 
 
 def _numel(shape) -> int:

@@ -18,7 +18,11 @@ from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.io import file_sha256
 
 FORMAT = "hf_elixir.sharded_checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2          # the newest format this code reads and writes
+# Checkpoints of models without frozen parameters are written as version 1, unchanged, so
+# an older hf_elixir still reads them; version 2 adds the index's ``frozen`` entry (frozen
+# weights recorded by digest, not stored), which an older reader must refuse, not misread.
+PLAIN_FORMAT_VERSION = 1
 INDEX_NAME = "elixir_index.json"
 OPTIMIZER_STATE_NAME = "optimizer_state.json"
 SCHEDULER_NAME = "scheduler.json"

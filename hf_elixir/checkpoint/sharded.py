@@ -10,7 +10,7 @@ Layout (DESIGN.md section 5)::
       model-rank-00000-of-00002.safetensors      rank 0's fp32 master slices, one per parameter
       optimizer-rank-00000-of-00002.safetensors  "<name>/exp_avg", "<name>/exp_avg_sq",
                                                  "<name>/step" for the same slices
-      model-untracked.safetensors                frozen parameters and buffers (rank 0)
+      model-untracked.safetensors                buffers and non-floating parameters (rank 0)
       optimizer_state.json                       param_groups, loss scaler
       scheduler.json, extra.json                 when given
       config.json, generation_config.json, tokenizer files   when the model / extra has them
@@ -21,6 +21,13 @@ for each slice the loading rank now owns, the overlapping parts of the saved sli
 world size, chunk size or placement can be rebuilt; values are copied bit for bit.
 
 Neither side gathers: a rank writes and reads only its own shards (plus small JSON).
+
+Frozen parameters (frozen chunks: a PEFT base, frozen embeddings) are not written at all:
+the index's ``frozen`` entry records their names, shapes, dtypes and digests
+(``frozen.py``), and a load takes them from the model it loads into after checking that
+they are the same (names, shapes, digests), so a LoRA checkpoint is the size of its adapters
+and their optimizer state. Such checkpoints carry format version 2; checkpoints of models
+without frozen parameters keep the version-1 format unchanged.
 """
 
 from __future__ import annotations
@@ -36,10 +43,11 @@ import torch
 import torch.distributed as dist
 
 from hf_elixir.checkpoint import atomic
+from hf_elixir.checkpoint import frozen as frz
 from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.index import (
-    EXTRA_NAME, FORMAT, FORMAT_VERSION, INDEX_NAME, OPTIMIZER_STATE_NAME, SCHEDULER_NAME,
-    UNTRACKED_NAME, model_file, optimizer_file, read_index, resolve, verify_hashes,
+    EXTRA_NAME, FORMAT, FORMAT_VERSION, INDEX_NAME, OPTIMIZER_STATE_NAME, PLAIN_FORMAT_VERSION,
+    SCHEDULER_NAME, UNTRACKED_NAME, model_file, optimizer_file, read_index, resolve, verify_hashes,
 )
 from hf_elixir.checkpoint.io import (
     SafetensorsReader, dtype_name, write_json, write_safetensors,
@@ -65,18 +73,6 @@ def _raise_if_any(comm, error: Optional[str]) -> None:
 
 
 # ---------------------------------------------------------------------- layout helpers
-def _rank_slices(emodel, rank: int) -> list[tuple[Any, int, int, int]]:
-    """(slot, shard_begin, shard_end, param_begin) of every parameter in ``rank``'s shards."""
-    out = []
-    for chunk in emodel.chunks:
-        lo = rank * chunk.shard_size
-        for slot in chunk.slots:
-            rng = slot.local_range(lo, lo + chunk.shard_size)
-            if rng is not None:
-                out.append((slot, *rng))
-    return out
-
-
 def _untracked(module: torch.nn.Module, slot_ids: set[int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """State-dict entries that are not chunked (frozen parameters, persistent buffers), each
     once, and the aliases (tied keys) of every entry, chunked or not."""
@@ -164,6 +160,12 @@ def save(emodel, eoptimizer, directory: str | os.PathLike, extra: Optional[dict]
     nonce = prep["nonce"]
     tmp = atomic.tmp_name(final, nonce)
 
+    # ---- the frozen weights' digests (each rank adds up its own shards; nothing is gathered)
+    frozen_entry = None
+    if frz.frozen_chunks(emodel):
+        dtypes = frz.digest_dtypes_for_save(frz.held_dtype(emodel))
+        frozen_entry = frz.index_entry(emodel, _frozen_digests(emodel, dtypes))
+
     # ---- phase 1: every rank writes its shards
     info, error = None, None
     try:
@@ -179,7 +181,8 @@ def save(emodel, eoptimizer, directory: str | os.PathLike, extra: Optional[dict]
         try:
             if errors:
                 raise CheckpointError("; ".join(errors))
-            _write_rank0_files(emodel, eoptimizer, scheduler, extra, tmp, [i for i, _ in infos], fault)
+            _write_rank0_files(emodel, eoptimizer, scheduler, extra, tmp, [i for i, _ in infos], fault,
+                               frozen=frozen_entry)
             atomic.commit(tmp, final, nonce, fault)
         except (OSError, CheckpointError) as e:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -188,6 +191,33 @@ def save(emodel, eoptimizer, directory: str | os.PathLike, extra: Optional[dict]
     if status:
         raise CheckpointError(f"saving {final} failed, the previous checkpoint (if any) is unchanged: {status}")
     return final
+
+
+def _frozen_digests(emodel, dtypes: list[torch.dtype]) -> dict[str, dict[str, str]]:
+    """Every frozen parameter's digest in each of ``dtypes`` (collective; the same result on
+    every rank). A rank that cannot compute its share makes every rank raise."""
+    partial, error = None, None
+    try:
+        partial = frz.local_partials(emodel, dtypes)
+    except CheckpointError as e:
+        error = f"rank {emodel.comm.rank}: {e}"
+    parts = _all_gather_object(emodel.comm, (partial, error))
+    errors = [e for _, e in parts if e]
+    if errors:
+        raise CheckpointError("; ".join(errors))
+    return frz.combine([p for p, _ in parts], [s.name for s in frz.frozen_slots(emodel)], dtypes)
+
+
+def _trainable_chunks(emodel) -> list:
+    return [c for c in emodel.chunks if not c.frozen]
+
+
+def _state_names(eoptimizer) -> list[str]:
+    """The optimizer state every trainable shard has (frozen chunks keep none)."""
+    for chunk, state in zip(eoptimizer.module.chunks, eoptimizer.flat_state):
+        if not chunk.frozen:
+            return list(state)
+    return []
 
 
 def _prepare_target(final: Path) -> None:
@@ -222,7 +252,7 @@ def _write_rank_files(emodel, eoptimizer, tmp: Path, fault) -> dict[str, Any]:
     rank, world = emodel.comm.rank, emodel.comm.world_size
     meta = {"format": "pt", "hf_elixir": "sharded", "rank": str(rank), "world_size": str(world)}
     files: dict[str, dict] = {}
-    local = [(chunk, slot, b, e) for chunk in emodel.chunks for slot, b, e, _ in chunk.local_slices()]
+    local = [(chunk, slot, b, e) for chunk in _trainable_chunks(emodel) for slot, b, e, _ in chunk.local_slices()]
 
     name = model_file(rank, world)
     size, digest = write_safetensors(
@@ -255,14 +285,15 @@ def _sync_file(path: Path) -> tuple[int, str]:
     return path.stat().st_size, file_sha256(path)
 
 
-def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, rank_infos: list, fault) -> None:
+def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, rank_infos: list, fault,
+                       frozen: Optional[dict] = None) -> None:
     world = emodel.comm.world_size
     module = emodel.module
     files: dict[str, dict] = {}
     for info in rank_infos:
         files.update(info)
 
-    # frozen parameters and buffers, whole, once
+    # buffers (and non-floating parameters), whole, once; frozen chunks are not stored
     slot_ids = {id(s.param) for s in emodel.slots}
     untracked, aliases = _untracked(module, slot_ids)
     size, digest = write_safetensors(
@@ -281,8 +312,7 @@ def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, ra
                  "loss_scaler": eoptimizer.scaler.state_dict() if eoptimizer.scaler is not None else None}
         size, digest = write_json(tmp / OPTIMIZER_STATE_NAME, state, fault)
         files[OPTIMIZER_STATE_NAME] = {"size": size, "sha256": digest, "rank": None, "kind": "json"}
-        optimizer_meta = {"algorithm": eoptimizer.algorithm,
-                          "state_names": list(eoptimizer.flat_state[0]) if eoptimizer.flat_state else []}
+        optimizer_meta = {"algorithm": eoptimizer.algorithm, "state_names": _state_names(eoptimizer)}
     if scheduler is not None:
         size, digest = write_json(tmp / SCHEDULER_NAME, _jsonable(scheduler.state_dict(), "scheduler"), fault)
         files[SCHEDULER_NAME] = {"size": size, "sha256": digest, "rank": None, "kind": "json"}
@@ -327,7 +357,7 @@ def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, ra
             hf_files.append(fname)
 
     params = []
-    for slot in emodel.slots:
+    for slot in (s for c in _trainable_chunks(emodel) for s in c.slots):
         slices = []
         for r in range(world):
             for s, b, e, pb in _rank_slices_for_slot(emodel, slot, r):
@@ -337,7 +367,7 @@ def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, ra
                        "slices": slices})
     index = {
         "format": FORMAT,
-        "format_version": FORMAT_VERSION,
+        "format_version": FORMAT_VERSION if frozen is not None else PLAIN_FORMAT_VERSION,
         "world_size": world,
         "plan_digest": emodel.plan.digest(),
         "plan": emodel.plan.to_dict(),
@@ -347,6 +377,7 @@ def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, ra
         "params": params,
         "untracked": [{"name": k, "shape": list(v.shape), "dtype": dtype_name(v.dtype)} for k, v in untracked.items()],
         "aliases": aliases,
+        **({"frozen": frozen} if frozen is not None else {}),
         "state_dict_keys": list(module.state_dict(keep_vars=True).keys()),
         "optimizer": optimizer_meta,
         "hf_files": hf_files,
@@ -432,10 +463,14 @@ class _Source:
 
 
 def _check_model(emodel, index: dict, path: Path) -> list[tuple[str, torch.Tensor]]:
-    """The checkpoint must hold exactly this model's tensors with these shapes."""
+    """The checkpoint must hold exactly this model's tensors with these shapes, and the same
+    ones frozen (their values are checked by digest later, collectively)."""
     where = path / INDEX_NAME
+    saved_frozen = frz.SavedFrozen.from_index(index, str(where))
     saved = {p["name"]: tuple(p["shape"]) for p in index["params"]}
     saved.update({u["name"]: tuple(u["shape"]) for u in index.get("untracked", [])})
+    if saved_frozen is not None:
+        saved.update({n: r.shape for n, r in saved_frozen.records.items()})
     own = {s.name: tuple(s.shape) for s in emodel.slots}
     untracked, _ = _untracked(emodel.module, {id(s.param) for s in emodel.slots})
     own.update({k: tuple(v.shape) for k, v in untracked.items()})
@@ -447,6 +482,7 @@ def _check_model(emodel, index: dict, path: Path) -> list[tuple[str, torch.Tenso
             f"tensors only in the checkpoint: {only_saved[:5]}{' ...' if len(only_saved) > 5 else ''}; "
             f"only in this model: {only_own[:5]}{' ...' if len(only_own) > 5 else ''}"
         )
+    _check_frozen_roles(emodel, index, saved_frozen, str(where))
     wrong = [(n, saved[n], own[n]) for n in own if saved[n] != own[n]]
     if wrong:
         n, a, b = wrong[0]
@@ -466,6 +502,58 @@ def _check_model(emodel, index: dict, path: Path) -> list[tuple[str, torch.Tenso
     return list(untracked.items())
 
 
+def _check_frozen_roles(emodel, index: dict, saved: Optional[frz.SavedFrozen], where: str) -> None:
+    """The parameters frozen here must be those frozen when the checkpoint was saved: it holds
+    no values for those, and values without optimizer state for the others. (Frozen ones
+    saved whole in the untracked file, by version-1 checkpoints, are restored from there.)"""
+    own_frozen = [s.name for s in frz.frozen_slots(emodel)]
+    frozen_here = set(own_frozen)
+    trainable = {p["name"] for p in index["params"]}
+    now_frozen = [n for n in own_frozen if n in trainable]             # in the plan's order
+    now_trainable = [n for n in (saved.records if saved is not None else ()) if n not in frozen_here]
+    if now_frozen:
+        raise CheckpointError(
+            f"{where}: {now_frozen[0]!r} was trainable when the checkpoint was saved and is frozen "
+            f"(requires_grad=False) in this model ({len(now_frozen)} such tensors); make the same "
+            "parameters trainable as the run that saved it (to freeze trained weights, export or "
+            "state_dict() them and build the model from those)")
+    if now_trainable:
+        raise CheckpointError(
+            f"{where}: {now_trainable[0]!r} was frozen when the checkpoint was saved and is trainable "
+            f"in this model ({len(now_trainable)} such tensors); the checkpoint holds no values or "
+            "optimizer state for frozen weights: freeze the same parameters as the run that saved it")
+    if saved is not None and saved.fingerprint != frz.FINGERPRINT:
+        raise CheckpointError(
+            f"{where}: the frozen weights' digests were made with {saved.fingerprint!r}, this hf_elixir "
+            f"makes {frz.FINGERPRINT!r}; load it with the hf_elixir version that saved it")
+
+
+def _frozen_comparison(emodel, index: dict, where: str) -> Optional[torch.dtype]:
+    """The dtype this model's frozen digests are compared in (None: nothing to compare)."""
+    saved = frz.SavedFrozen.from_index(index, where)
+    if saved is None or not saved.records:
+        return None
+    own_held = frz.held_dtype(emodel)
+    dtype = frz.compare_dtype(own_held, saved)
+    if dtype is None:
+        raise CheckpointError(
+            f"{where}: the checkpoint recorded its frozen weights' digests for {saved.held_dtype} values "
+            f"and this model holds them in {dtype_name(own_held)}; they cannot be compared exactly: "
+            f"resume with compute dtype {saved.held_dtype} (or float32)")
+    return dtype
+
+
+def _check_frozen_digests(emodel, index: dict, path: Path, dtype: torch.dtype) -> None:
+    """Collective: compute this model's frozen digests and refuse (on every rank: the digests
+    are the same everywhere) when they are not the checkpoint's. Changes nothing."""
+    where = str(path / INDEX_NAME)
+    saved = frz.SavedFrozen.from_index(index, where)
+    own = _frozen_digests(emodel, [dtype])
+    message = frz.digest_mismatch(saved, own, dtype, where)
+    if message is not None:
+        raise CheckpointError(message)
+
+
 def _check_optimizer(eoptimizer, index: dict, path: Path, opt_state: dict) -> None:
     where = path / INDEX_NAME
     meta = index.get("optimizer")
@@ -475,7 +563,7 @@ def _check_optimizer(eoptimizer, index: dict, path: Path, opt_state: dict) -> No
     if meta["algorithm"] != eoptimizer.algorithm:
         raise CheckpointError(f"{where}: optimizer state is for {meta['algorithm']}, this optimizer is "
                               f"{eoptimizer.algorithm}; create the same kind of optimizer")
-    own_names = list(eoptimizer.flat_state[0]) if eoptimizer.flat_state else []
+    own_names = _state_names(eoptimizer)
     if sorted(meta["state_names"]) != sorted(own_names):
         raise CheckpointError(f"{where}: optimizer state holds {meta['state_names']}, this optimizer "
                               f"keeps {own_names} (momentum on/off?); create the optimizer as it was")
@@ -496,8 +584,10 @@ def load(emodel, eoptimizer=None, directory: str | os.PathLike = None, *, schedu
     Collective. Works at any world size and with any plan: each rank reads the parts of the
     saved slices that its new shards hold. Everything is checked first (index, model
     names and shapes, optimizer kind and groups, file sizes, sha256 of every file this rank
-    reads, safetensors headers); on any problem every rank raises CheckpointError and
-    nothing is changed. Returns ``{"path", "world_size", "resharded", "extra"}``.
+    reads, safetensors headers, and that this model's frozen parameters are those the
+    checkpoint was saved with: same names, shapes and digests, since it does not store them);
+    on any problem every rank raises CheckpointError and nothing is changed. Returns
+    ``{"path", "world_size", "resharded", "extra"}``.
     """
     if directory is None:
         raise TypeError("load() needs the checkpoint directory")
@@ -511,6 +601,8 @@ def load(emodel, eoptimizer=None, directory: str | os.PathLike = None, *, schedu
         error = f"{directory}: {e}"
     try:
         _raise_if_any(comm, error)
+        if prepared["frozen_dtype"] is not None:  # the same on every rank: read from one index
+            _check_frozen_digests(emodel, prepared["index"], prepared["path"], prepared["frozen_dtype"])
     except CheckpointError:
         if prepared is not None:
             prepared["source"].close()
@@ -524,6 +616,7 @@ def load(emodel, eoptimizer=None, directory: str | os.PathLike = None, *, schedu
 def _prepare_load(emodel, eoptimizer, scheduler, directory: Path, verify: bool) -> dict:
     path, index = resolve(directory)
     untracked = _check_model(emodel, index, path)
+    frozen_dtype = _frozen_comparison(emodel, index, str(path / INDEX_NAME))
     opt_state = sched_state = extra = None
     if eoptimizer is not None:
         opt_state = _read_json(path, OPTIMIZER_STATE_NAME, index)
@@ -551,7 +644,7 @@ def _prepare_load(emodel, eoptimizer, scheduler, directory: Path, verify: bool) 
         steps: dict[str, float] = {}
         started: set[str] = set()
         if eoptimizer is not None:
-            for chunk in emodel.chunks:
+            for chunk in _trainable_chunks(emodel):
                 for slot, _, _, _ in chunk.local_slices():
                     steps[slot.name] = source.step(slot.name) if slot.name in source.params else 0.0
             for fname in sorted(needed):
@@ -560,8 +653,9 @@ def _prepare_load(emodel, eoptimizer, scheduler, directory: Path, verify: bool) 
     except BaseException:
         source.close()
         raise
-    return {"path": path, "index": index, "source": source, "untracked": untracked, "opt_state": opt_state,
-            "sched_state": sched_state, "extra": extra, "steps": steps, "started": started}
+    return {"path": path, "index": index, "source": source, "untracked": untracked, "frozen_dtype": frozen_dtype,
+            "opt_state": opt_state, "sched_state": sched_state, "extra": extra, "steps": steps,
+            "started": started}
 
 
 def _read_json(path: Path, name: str, index: dict) -> Any:
@@ -602,6 +696,8 @@ def _apply(emodel, eoptimizer, scheduler, prep: dict) -> dict[str, Any]:
     emodel.release_all()
     for chunk in emodel.chunks:
         for slot, b, e, pb in chunk.local_slices():
+            if chunk.frozen and slot.name not in source.untracked:
+                continue  # not stored: the model's own values (checked by digest) stay
             source.read(slot.name, pb, pb + e - b, chunk.master[b:e])
         if not chunk.master_aliased:
             chunk.shard.copy_(chunk.master)
@@ -616,6 +712,8 @@ def _apply(emodel, eoptimizer, scheduler, prep: dict) -> dict[str, Any]:
         state_names = index["optimizer"]["state_names"]
         eoptimizer._momentum_started.clear()
         for chunk, flat in zip(emodel.chunks, eoptimizer.flat_state):
+            if chunk.frozen:  # no optimizer state
+                continue
             for slot, b, e, pb in chunk.local_slices():
                 saved = slot.name in source.params
                 for sname in state_names:
