@@ -29,6 +29,7 @@ package accepts runs the same code.
 
 from __future__ import annotations
 
+import atexit
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -56,6 +57,11 @@ class Work:
         self._then = then
         if handle is None and then is not None:  # synchronous: finish now
             self.wait()
+
+    @property
+    def done(self) -> bool:
+        """Waited for (a handle still held may have finished in the backend, unobserved)."""
+        return self._handle is None and self._then is None
 
     def wait(self) -> None:
         if self._handle is not None:
@@ -135,6 +141,8 @@ class Collectives:
     #: the caller's own group is never among them
     owned_groups: tuple[dist.ProcessGroup, ...] = field(default=(), repr=False)
     closed: bool = field(default=False, repr=False)
+    #: asynchronous collectives issued and perhaps not waited for (see ``drain``)
+    in_flight: list = field(default_factory=list, repr=False)
 
     @classmethod
     def create(cls, process_group: Optional[dist.ProcessGroup] = None,
@@ -165,11 +173,29 @@ class Collectives:
         reduce_group = make()
         owned = [gather_group, reduce_group] if whole_world else []
         host = backend == "gloo" and host_collectives(device.type)
-        return cls(rank=rank, world_size=world_size, gather_group=gather_group,
+        comm = cls(rank=rank, world_size=world_size, gather_group=gather_group,
                    reduce_group=reduce_group, gloo=host, global_ranks=tuple(ranks), device=device,
                    owned_groups=tuple(owned),
                    _gather_fn=collective_function("all_gather_single", "all_gather_into_tensor"),
                    _reduce_scatter_fn=collective_function("reduce_scatter_single", "reduce_scatter_tensor"))
+        # A process that exits while one of its collectives still runs in the backend's
+        # thread aborts ("terminate called without an active exception"). The optimizer
+        # step leaves the next pass's gathers running, and the ElixirModule that issued them
+        # may be gone by exit: the groups' owner waits for them, whatever became of it.
+        atexit.register(comm.drain)
+        return comm
+
+    def drain(self) -> None:
+        """Wait for every asynchronous collective issued here that nobody waited for."""
+        works, self.in_flight = self.in_flight, []
+        for work in works:
+            work.wait()
+
+    def _track(self, work: Work) -> Work:
+        """Remember an asynchronous collective until it is waited for (``drain``)."""
+        self.in_flight = [w for w in self.in_flight if not w.done]
+        self.in_flight.append(work)
+        return work
 
     @property
     def distributed(self) -> bool:
@@ -186,6 +212,7 @@ class Collectives:
         Groups over a subset of the world stay (see ``create``)."""
         if self.closed:
             return
+        self.drain()
         self.closed = True
         for group in self.owned_groups:
             dist.barrier(group=group)
@@ -229,8 +256,10 @@ class Collectives:
             work = Work(_WaitAll(handles))
             if not async_op:
                 work.wait()
-            return work
-        return Work(self._gather_fn(output, shard, group=self.gather_group, async_op=async_op))
+                return work
+            return self._track(work)
+        work = Work(self._gather_fn(output, shard, group=self.gather_group, async_op=async_op))
+        return self._track(work) if async_op else work
 
     @property
     def reduce_needs_scratch(self) -> bool:

@@ -167,7 +167,10 @@ class ElixirModule(nn.Module):
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ledger = MemoryLedger()
         self.dtype = plan.dtype
-        self._placeholder = torch.empty(0, dtype=self.dtype, device=self.device)
+        # one element of storage, viewed at each released parameter's own shape with zero
+        # strides (released.py): no memory, yet autograd records the real shape when a
+        # released weight enters a custom Function (whose apply() bypasses __torch_function__)
+        self._placeholder = torch.zeros(1, dtype=self.dtype, device=self.device)
         if plan.activation_checkpointing:
             _enable_activation_checkpointing(model)
         self._move_untracked(sync_module_states)

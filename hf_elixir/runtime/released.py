@@ -1,6 +1,7 @@
 """A released parameter is unreadable, not empty.
 
-While its chunk is released, a parameter's data is a zero-element stand-in. Code that reads
+While its chunk is released, a parameter's data is a stand-in that holds no values (one
+element of storage seen through zero strides). Code that reads
 a parameter without calling the module that owns it (a trainer's fused loss reading
 ``get_output_embeddings().weight``, a regulariser, a metric) would compute silently wrong
 results from it. So a released parameter also changes class, to a subclass of its own class
@@ -115,10 +116,16 @@ def _released_class(cls: type) -> type:
 
 
 def mark_released(param: nn.Parameter, placeholder: torch.Tensor) -> None:
-    """Give ``param`` the stand-in data and make it unreadable (idempotent)."""
+    """Give ``param`` the stand-in data and make it unreadable (idempotent).
+
+    The stand-in is ``placeholder``'s single element viewed at the parameter's own shape with
+    zero strides: it costs nothing, and metadata that bypasses ``__torch_function__`` (a
+    custom autograd Function records its inputs' shapes in ``apply()``, before its forward
+    reads them) still sees the real shape, so the gradient it returns is accepted."""
     if isinstance(param, _Released):
         return
-    param.data = placeholder
+    shape = param.shape
+    param.data = placeholder.as_strided(shape, (0,) * len(shape))
     param.__class__ = _released_class(type(param))
 
 
@@ -151,8 +158,9 @@ def released_read_error(name: str, hint: Optional[str] = None) -> ReleasedParame
         f"hf_elixir: parameter {name!r} was read outside the model's forward and backward, "
         "while its chunk is released (only a shard of it is on this rank). Gathering it here "
         "would be a collective that code outside the model may run on one rank only. Read it "
-        "inside `with model.gathered_parameters(<param>):` on every rank (the wrapped "
-        "ElixirModule's method; under Accelerate, `accelerator.unwrap_model` gives it), or for "
-        "a copy of the weights use `accelerator.get_state_dict(model)` / `model.state_dict()`"
+        "inside `with model.gathered_parameters(<param>):` on every rank (a method of the "
+        "ElixirModule that accelerator.prepare() or the Trainer returned), or for a copy of "
+        "the weights use `accelerator.get_state_dict(model)` / that module's `state_dict()` "
+        "(e.g. `save_pretrained(folder, state_dict=accelerator.get_state_dict(model))`)"
         + (f"; {hint}" if hint else "")
     )
