@@ -4,11 +4,16 @@
         examples/finetune_gpt2_trainer.py --model_name_or_path gpt2 \
         --train_file my_text.txt --output_dir out/gpt2-ft --num_train_epochs 1
 
+``--lora_r 8`` fine-tunes LoRA adapters (PEFT, ``pip install -e .[peft]``) over the frozen
+pretrained weights instead of every weight: hf_elixir shards the frozen base like the rest,
+and the output folder is a PEFT adapter that ``PeftModel.from_pretrained`` loads onto the
+base model (the script checks that it does).
+
 The only hf_elixir-specific lines are the two imports below: ElixirTrainingArguments adds
 ``--elixir`` / ``--elixir_config`` (and turns on by itself under ``hf-elixir launch``), and
 ElixirTrainer shards the model with the plan the planner picks. Prints the held-out
 perplexity and a greedy sample before and after training, saves the model, and checks that
-``from_pretrained`` reloads it.
+``from_pretrained`` (or, for an adapter, ``PeftModel.from_pretrained`` on the base) reloads it.
 """
 
 from __future__ import annotations
@@ -42,6 +47,54 @@ class DataArguments:
     sample_tokens: int = 40
 
 
+@dataclass
+class LoraArguments:
+    lora_r: int = field(default=0, metadata={"help": "LoRA rank; 0 (default) fine-tunes every weight"})
+    lora_alpha: Optional[float] = field(default=None, metadata={"help": "LoRA scale numerator (default 2 x rank)"})
+    lora_dropout: float = 0.0
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "comma-separated module names to adapt, or all-linear (every linear layer "
+                          "but the output head)"})
+
+
+def with_lora(model, lora: LoraArguments):
+    """``model`` with LoRA adapters (PEFT) on ``lora.lora_target_modules``; the rest frozen."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError:
+        sys.exit("--lora_r needs PEFT: pip install -e .[peft] (or pip install peft)")
+    targets = lora.lora_target_modules
+    config = LoraConfig(r=lora.lora_r, lora_alpha=lora.lora_alpha or 2 * lora.lora_r, lora_dropout=lora.lora_dropout,
+                        target_modules=targets if targets == "all-linear" else targets.split(","),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(model, config)
+
+
+def describe_trainable(model) -> str:
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return f"{trainable / 1e6:.2f}M of {total / 1e6:.2f}M parameters train ({100 * trainable / total:.1f}%)"
+
+
+def reload_saved(model_args: ModelArguments, output_dir: str, lora: bool):
+    """The saved result loaded the way its users will: a ``from_pretrained`` folder, or the
+    pretrained base with the saved adapter on top."""
+    if not lora:
+        return AutoModelForCausalLM.from_pretrained(output_dir).eval()
+    from peft import PeftModel
+
+    base = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    return PeftModel.from_pretrained(base, output_dir).eval()
+
+
+def prompt_logits(model, ids: torch.Tensor) -> torch.Tensor:
+    """Logits on the prompt (every process takes part when the model is sharded)."""
+    model.eval()
+    with torch.no_grad():
+        return model(input_ids=ids).logits.float().cpu()
+
+
 def sample(trainer, tokenizer, prompt: str, tokens: int) -> str:
     """A greedy continuation; every process takes part (the model is sharded)."""
     model = trainer.model_wrapped
@@ -57,11 +110,16 @@ def perplexity(metrics: dict) -> float:
 
 
 def main() -> None:
-    parser = HfArgumentParser((ModelArguments, DataArguments, ElixirTrainingArguments))
-    model_args, data_args, args = parser.parse_args_into_dataclasses()
+    parser = HfArgumentParser((ModelArguments, DataArguments, LoraArguments, ElixirTrainingArguments))
+    model_args, data_args, lora_args, args = parser.parse_args_into_dataclasses()
+    if lora_args.lora_r < 0:
+        sys.exit(f"--lora_r must be 0 (full fine-tuning) or a positive rank, got {lora_args.lora_r}")
+    use_lora = lora_args.lora_r > 0
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
     model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    if use_lora:
+        model = with_lora(model, lora_args)
     block = min(data_args.block_size, getattr(model.config, "n_positions", data_args.block_size))
     raw = load_text(data_args.dataset_name, data_args.dataset_config_name, data_args.train_file,
                     data_args.validation_file, data_args.validation_split_percentage)
@@ -75,23 +133,30 @@ def main() -> None:
     before = trainer.evaluate()
     text_before = sample(trainer, tokenizer, data_args.prompt, data_args.sample_tokens)
     if main_process:
+        if use_lora:
+            print(f"LoRA r={lora_args.lora_r} on {lora_args.lora_target_modules}: {describe_trainable(model)}; "
+                  "the pretrained weights stay frozen", flush=True)
         print(f"held-out perplexity before: {perplexity(before):.2f}", flush=True)
         print(f"sample before: {text_before!r}", flush=True)
 
     trainer.train(resume_from_checkpoint=args.resume_from_checkpoint)
     after = trainer.evaluate()
     text_after = sample(trainer, tokenizer, data_args.prompt, data_args.sample_tokens)
-    trainer.save_model(args.output_dir)
+    ids = tokenizer(data_args.prompt, return_tensors="pt").input_ids
+    trained_logits = prompt_logits(trainer.model_wrapped, ids)
+    trainer.save_model(args.output_dir)  # with LoRA: the adapter only, not the frozen base
     if main_process:
         print(f"held-out perplexity after: {perplexity(after):.2f} (before: {perplexity(before):.2f})", flush=True)
         print(f"sample after: {text_after!r}", flush=True)
-        reloaded = AutoModelForCausalLM.from_pretrained(args.output_dir).eval()
-        ids = tokenizer(data_args.prompt, return_tensors="pt").input_ids
+        reloaded = reload_saved(model_args, args.output_dir, use_lora)
         with torch.no_grad():
             again = reloaded.generate(ids, max_new_tokens=data_args.sample_tokens, do_sample=False,
                                       pad_token_id=tokenizer.eos_token_id)
         same = tokenizer.decode(again[0], skip_special_tokens=True) == text_after
-        print(f"saved to {args.output_dir}; from_pretrained gives the same sample: {same}", flush=True)
+        gap = (prompt_logits(reloaded, ids) - trained_logits).abs().max().item()
+        loader = "PeftModel.from_pretrained on the base" if use_lora else "from_pretrained"
+        print(f"saved to {args.output_dir}; {loader} gives the same sample: {same} "
+              f"(logits within {gap:.1e})", flush=True)
         if not same:
             sys.exit("the reloaded model does not reproduce the trained model's sample")
 

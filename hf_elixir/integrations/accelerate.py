@@ -254,8 +254,10 @@ class ElixirAccelerator(Accelerator):
         return opt.clip_grad_norm_(max_norm, norm_type)
 
     def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
-        """The user's model (its parameters are empty outside forward/backward; use
-        ``get_state_dict`` or ``save_model`` for the weights)."""
+        """The user's model. Its sharded parameters cannot be read outside forward and
+        backward (they raise ReleasedParameterError), so its ``save_pretrained`` needs
+        ``state_dict=accelerator.get_state_dict(model)`` on every process, as PEFT's and
+        Transformers' Accelerate examples pass it; or use ``save_model``."""
         if isinstance(model, ElixirModule):
             return model.module
         return super().unwrap_model(model, keep_fp32_wrapper=keep_fp32_wrapper, keep_torch_compile=keep_torch_compile)
@@ -270,8 +272,11 @@ class ElixirAccelerator(Accelerator):
     # ------------------------------------------------------------------ saving
     def save_model(self, model, save_directory: str | os.PathLike, max_shard_size="10GB",
                    safe_serialization: bool = True):
-        """Write a folder ``from_pretrained`` loads: weights gathered on every process (a
-        collective), written with the model's config by the main process."""
+        """Write what the model's ``save_pretrained`` writes: a folder ``from_pretrained``
+        loads or, for a PEFT model, the adapter folder ``PeftModel.from_pretrained`` loads onto
+        its base (plain Accelerate writes a PEFT model's whole state_dict instead, base
+        included). Weights are gathered on every process (a collective) and written by the
+        main process."""
         emodel = model if isinstance(model, ElixirModule) else self._find_module(model)
         if emodel is None:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
@@ -329,7 +334,8 @@ class ElixirAccelerator(Accelerator):
 
 def save_pretrained_folder(model: nn.Module, directory: str | os.PathLike, state_dict: dict,
                            max_shard_size="10GB", safe_serialization: bool = True) -> None:
-    """Write ``state_dict`` as the weights of ``model``'s ``from_pretrained`` folder."""
+    """Write ``state_dict`` through ``model.save_pretrained`` (a PEFT model keeps only its
+    adapters' entries), or as one safetensors file for a model without it."""
     if hasattr(model, "save_pretrained"):
         model.save_pretrained(directory, state_dict=state_dict, max_shard_size=max_shard_size,
                               safe_serialization=safe_serialization)

@@ -79,6 +79,8 @@ class ThroughputCallback(TrainerCallback):
             return
         median = statistics.median(self._times)
         tokens = self.tokens_per_step()
+        if not tokens:  # the batch shape is unknown: a tokens/s figure would be made up
+            return
         step = predicted_step_seconds(plan.predictions, args.gradient_accumulation_steps)
         self.report = ThroughputReport(
             measured_tokens_per_s=tokens / median,

@@ -4,8 +4,12 @@ A Trainer user adds ``--elixir`` (and optionally ``--elixir_config '{...}'``); u
 ``hf-elixir launch`` (``ACCELERATE_USE_ELIXIR=true``) nothing at all. The Trainer then builds
 an ElixirAccelerator, so the model is sharded by ``accelerator.prepare``; checkpoints hold
 the sharded state (``elixir_state/``: fp32 master weights, optimizer state, param_groups and
-loss scaler) next to the Trainer's own files (scheduler, RNG states, trainer state, and a
-``from_pretrained`` copy of the weights), and resuming works at any world size.
+loss scaler) next to the Trainer's own files (scheduler, RNG states, trainer state, and what
+``save_model`` writes), and resuming works at any world size.
+
+A PEFT model (``PeftModel``) trains the same way: its frozen base is sharded in frozen chunks,
+``save_model`` writes the adapter folder ``PeftModel.from_pretrained`` loads (PEFT's own
+``save_pretrained``, fed the gathered state), and checkpoints store the adapters' state only.
 
 The private Trainer methods overridden here are listed in ``overrides.py``.
 """
@@ -93,10 +97,14 @@ class ElixirTrainer(Trainer):
         return module.plan if module is not None else None
 
     def _tokens_per_step(self) -> int:
-        """Tokens one optimizer step consumes on every rank (the plan's batch x sequence)."""
+        """Tokens one optimizer step consumes on every rank: the plan's batch x sequence, or,
+        for a plan that was not searched (pinned options, a plan file: no predictions), the
+        shape of the first training batch; 0 when neither is known."""
         p = self._running_plan().predictions
-        return (p.get("batch_size", 0) * p.get("seq_len", 0) * self.args.world_size
-                * self.args.gradient_accumulation_steps)
+        batch, seq = p.get("batch_size", 0), p.get("seq_len", 0)
+        if not (batch and seq):
+            batch, seq = getattr(self.accelerator, "_elixir_batch_shape", None) or (0, 0)
+        return batch * seq * self.args.world_size * self.args.gradient_accumulation_steps
 
     @property
     def is_elixir(self) -> bool:
@@ -133,7 +141,9 @@ class ElixirTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
     def save_model(self, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
-        """A ``from_pretrained`` folder: weights gathered collectively, written by the main process."""
+        """What the model's ``save_pretrained`` writes (a ``from_pretrained`` folder; for a PEFT
+        model its adapter folder, without the frozen base), from weights gathered collectively
+        (every process must call this), written by the main process."""
         emodel = self._elixir_module()
         if emodel is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
