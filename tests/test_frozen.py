@@ -93,3 +93,20 @@ def test_a_plan_made_before_freezing_is_refused() -> None:
     model.transformer.wte.weight.requires_grad_(False)
     with pytest.raises(PlanError, match="frozen or unfrozen after planning"):
         plan.validate(model, world_size=1)
+
+
+def _trainable_state(rank: int, world_size: int) -> tuple[list[str], dict, dict]:
+    import hf_elixir as hfe
+    from frozen_cases import build_case
+
+    model = build_case("lora_gpt2")
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=2048))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    return trainable, emodel.trainable_state_dict(), emodel.state_dict()
+
+
+def test_the_trainable_state_dict_gathers_no_frozen_weight() -> None:
+    for trainable, partial, full in run_distributed(_trainable_state, W):
+        assert sorted(partial) == sorted(trainable)  # adapters only, no frozen base
+        for key, value in partial.items():
+            assert torch.equal(value, full[key])

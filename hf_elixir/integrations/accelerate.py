@@ -281,7 +281,7 @@ class ElixirAccelerator(Accelerator):
         if emodel is None:
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
                                       safe_serialization=safe_serialization)
-        state_dict = emodel.state_dict()
+        state_dict = state_to_save(emodel)
         if self.is_main_process:
             os.makedirs(save_directory, exist_ok=True)
             save_pretrained_folder(emodel.module, save_directory, state_dict,
@@ -330,6 +330,26 @@ class ElixirAccelerator(Accelerator):
             checkpoint.load(emodel, opt, _elixir_state_dir(input_dir, i))
         with self._without_elixir_objects():
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
+
+
+def state_to_save(emodel: ElixirModule) -> dict:
+    """The gathered weights ``save_pretrained`` needs (collective).
+
+    A PEFT model writes only its adapters (and modules_to_save), which are trainable, so
+    only the trainable chunks are gathered: a frozen 13B base would otherwise be copied whole
+    into every rank's host memory for a few megabytes of adapter. Prompt-learning methods
+    and adapters on an embedding layer (PEFT may then save the base embedding too) get the
+    whole state."""
+    configs = getattr(emodel.module, "peft_config", None)
+    if isinstance(configs, dict) and configs:
+        embedding_names = ("embed_tokens", "lm_head", "wte", "embed_in", "embed_out", "word_embeddings")
+        needs_base = any(
+            getattr(c, "is_prompt_learning", False)
+            or any(name in str(getattr(c, "target_modules", None) or "") for name in embedding_names)
+            for c in configs.values())
+        if not needs_base:
+            return emodel.trainable_state_dict()
+    return emodel.state_dict()
 
 
 def save_pretrained_folder(model: nn.Module, directory: str | os.PathLike, state_dict: dict,

@@ -26,7 +26,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_elixir import checkpoint
-from hf_elixir.integrations.accelerate import ELIXIR_STATE_DIR, ElixirAccelerator
+from hf_elixir.integrations.accelerate import ELIXIR_STATE_DIR, ElixirAccelerator, state_to_save
 from hf_elixir.integrations.planning import unsupported_optimizer_message
 from hf_elixir.integrations.throughput import ThroughputCallback
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixir_requested
@@ -148,7 +148,7 @@ class ElixirTrainer(Trainer):
         if emodel is None:
             return super().save_model(output_dir, _internal_call=_internal_call)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state_dict = emodel.state_dict()  # every process takes part
+        state_dict = state_to_save(emodel)  # every process takes part
         self._save(output_dir, state_dict=state_dict)
         self.accelerator.wait_for_everyone()
         if self.args.push_to_hub and not _internal_call:

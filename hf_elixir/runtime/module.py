@@ -489,20 +489,34 @@ class ElixirModule(nn.Module):
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
         """The model's own state_dict keys with full tensors (collective: call on every rank).
 
-        Chunked parameters come from the fp32 master weights, cast to the dtype the model
-        had before wrapping; tensors are on the CPU."""
+        Chunked parameters come from the fp32 master weights (a frozen chunk's from its
+        shards), cast to the dtype the model had before wrapping; tensors are on the CPU."""
+        out = {} if destination is None else destination
+        out.update(self._gather_state(self.chunks, prefix, buffers=True))
+        return out
+
+    def trainable_state_dict(self, prefix: str = "") -> dict:
+        """Only the trainable parameters, under every key the model's state_dict gives them
+        (collective). Saving an adapter needs no copy of a frozen base: gathering it would
+        put the whole base model in every rank's host memory for a few megabytes of
+        adapter."""
+        return self._gather_state([c for c in self.chunks if not c.frozen], prefix, buffers=False)
+
+    def _gather_state(self, chunks: list[Chunk], prefix: str, buffers: bool) -> dict:
         by_param = {}
-        for chunk in self.chunks:
+        for chunk in chunks:
             full = self._gathered_chunk(chunk).cpu()
             for slot in chunk.slots:
                 by_param[id(slot.param)] = (
                     full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.orig_dtype).clone()
                 )
             del full
-        out = {} if destination is None else destination
+        chunked = {id(s.param) for s in self.slots}
+        out = {}
         for key, value in self.module.state_dict(keep_vars=True).items():
-            out[prefix + key] = by_param.get(id(value), None)
-            if out[prefix + key] is None:
+            if id(value) in by_param:
+                out[prefix + key] = by_param[id(value)]
+            elif buffers and id(value) not in chunked:
                 out[prefix + key] = value.detach().cpu().clone()
         return out
 
