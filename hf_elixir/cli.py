@@ -80,6 +80,12 @@ def register_plan(sub) -> None:
     p.add_argument("--efficiency", default="auto",
                    help="how compute is priced: auto (time the model here when planning for this calibrated "
                         "machine), measure, calibrated (the calibration's figure for the model's width), or a number")
+    p.add_argument("--lora-r", type=int, default=None, metavar="N",
+                   help="plan a LoRA fine-tune of rank N (needs peft): the base frozen and sharded, "
+                        "adapters trained")
+    p.add_argument("--lora-targets", default=None, metavar="NAMES",
+                   help="comma-separated modules LoRA adapts, e.g. q_proj,v_proj (default: every "
+                        "projection in the decoder blocks: attention and MLP)")
     p.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of memory and step-time breakdowns here")
     p.set_defaults(func=cmd_plan)
@@ -97,7 +103,27 @@ def _hardware_from_args(args):
         raise CLIError(f"--gpus must be >= 1, got {args.gpus}")
     if args.nodes is not None and args.nodes < 1:
         raise CLIError(f"--nodes must be >= 1, got {args.nodes}")
+    if not args.hardware and hw.device_type != "cuda" and (args.gpus or args.gpu_memory):
+        print(f"hf-elixir {args.command}: note: no --hardware given and this machine has no GPU, so the plan "
+              f"is for its CPU ({hw.name}); pass --hardware (e.g. a100-80g, rtx4090) to plan for GPUs",
+              file=sys.stderr)
     return hw.with_cluster(gpus_per_node=args.gpus, nodes=args.nodes, device_memory=memory)
+
+
+def _lora_model(cfg, args):
+    """The model to plan: ``cfg`` itself, or with ``--lora-r`` a LoRA fine-tune of it built
+    on the meta device (``hf_elixir.profile.lora``)."""
+    if args.lora_r is None:
+        if args.lora_targets:
+            raise CLIError("--lora-targets needs --lora-r (the adapters' rank)")
+        return cfg
+    from hf_elixir.profile.lora import meta_lora_model
+
+    targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
+    try:
+        return meta_lora_model(cfg, args.lora_r, targets, dtype=args.dtype)
+    except (ImportError, ValueError) as e:
+        raise CLIError(str(e)) from e
 
 
 def cmd_plan(args) -> int:
@@ -114,8 +140,18 @@ def cmd_plan(args) -> int:
     except ValueError:
         efficiency = args.efficiency
     try:
-        result = make_plan(cfg, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
-                           dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency)
+        model = _lora_model(cfg, args)
+        profile = None
+        if model is not cfg:  # name the fine-tune in the summary
+            from hf_elixir.profile import profile_model
+
+            targets = ",".join(sorted(model.peft_config["default"].target_modules))
+            profile = profile_model(model, (args.batch_size, args.seq_len), dtype=args.dtype,
+                                    attention_target=hw.device_type,
+                                    model_name=f"{args.model} + LoRA r{args.lora_r} ({targets})")
+        result = make_plan(model, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
+                           dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency,
+                           profile=profile)
     except PlanError as e:
         print(f"hf-elixir plan: {e}", file=sys.stderr)
         return EXIT_INFEASIBLE

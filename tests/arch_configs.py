@@ -1,14 +1,28 @@
 """Tiny configs for every causal-LM architecture transformers ships, built generically.
 
 Each architecture's config class is instantiated with its defaults and then shrunk by
-rules keyed on attribute *names* (sizes, layer counts, heads, experts, dropout), never on
-the model type, so a new transformers release brings its new architectures into the sweep
-with no edit here. What cannot be made into a small decoder-only LM trained from
-``input_ids`` is reported by ``build_tiny`` as a ``Skip`` with the reason.
+rules keyed on attribute *names* (sizes, layer counts, heads, experts, state-space widths,
+dropout), never on the model type, so a new transformers release brings its new
+architectures into the sweep with no edit here. Sizes that must agree stay in agreement:
+a Mamba block's inner width (expand x hidden) equals its heads x head width, widths that
+repeat the hidden width anywhere in the config (an adapter's output) shrink with it, a
+hybrid keeps one layer of each kind ("linear_attention" and "full_attention"), counts of
+kinds of layers that add up to the stack shrink together. Where a config class's defaults
+leave a size unset (None) although its model needs one, a second pass fills it in
+(``RULES``: the first choice whose model builds is kept).
+
+One exception is keyed on the model type: ``CHECKPOINT_VALUES``, what released checkpoints
+set and the class's defaults leave out with nothing a rule could derive it from (which
+kind each layer of lfm2_moe is). What cannot be made into a small decoder-only LM trained
+from ``input_ids`` is reported by ``build_tiny`` as a ``Skip`` with the reason: a
+conditional-generation (multimodal) class, an encoder-decoder, a speculative-decoding
+drafter that runs on a target model's keys and values.
 """
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,6 +33,7 @@ VOCAB = 96
 HIDDEN = 32
 HEADS = 4
 LAYERS = 2
+SEQ = 16  # the sweep's sequence length (arch_sweep.py): factored positions must multiply to it
 TOKEN_LOW = 4  # input ids are drawn from [TOKEN_LOW, TOKEN_HIGH): no special token among them
 TOKEN_HIGH = VOCAB - 16
 
@@ -47,7 +62,8 @@ _EXPERT_KEYS = {
     "num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts", "n_experts",
     "num_routed_experts",
 }
-_TOPK_KEYS = {"num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_selected_experts"}
+_TOPK_KEYS = {"num_experts_per_tok", "num_experts_per_token", "moe_topk", "top_k", "moe_k",
+              "num_selected_experts"}
 
 
 @dataclass
@@ -67,24 +83,84 @@ class NotSmall:
 MAX_PARAMS = 2_000_000
 
 
-_DERIVED_KEYS = {"qk_head_dim"}  # = qk_nope_head_dim + qk_rope_head_dim
+# recomputed by the config from what is shrunk: qk_head_dim = qk_nope_head_dim +
+# qk_rope_head_dim; hybrid_layer_ids = the indices of the "hybrid" entries of layer_types
+_DERIVED_KEYS = {"qk_head_dim", "hybrid_layer_ids"}
 
 
 @dataclass
 class _Before:
-    """Sizes of the default config, to recognise attributes that repeat them."""
+    """Sizes of the default config, to recognise attributes that repeat them, and how many
+    layers the tiny one gets (``target``)."""
 
     layers: int | None
     hidden: int | None
     ffn: int | None
     heads: int | None
+    target: int = LAYERS
+    parts: tuple[str, ...] = ()  # layer counts that add up to the whole stack (see ``of``)
+    rules: "Rules" = None
+    widths: frozenset = frozenset()  # hidden widths (>= 256) of every part of the config
+    positions: int | None = None    # the default longest sequence
+    experts: bool = False           # it routes tokens to experts
+    languages: Any = None           # the languages it has adapters for
 
     @classmethod
-    def of(cls, values: dict) -> "_Before":
+    def of(cls, values: dict, rules: "Rules") -> "_Before":
         def first(keys):
             return next((values[k] for k in keys if type(values.get(k)) is int), None)
 
-        return cls(first(_LAYER_KEYS), first(_HIDDEN_KEYS), first(_FFN_KEYS), first(_HEAD_KEYS))
+        before = cls(first(_LAYER_KEYS), first(_HIDDEN_KEYS), first(_FFN_KEYS), first(_HEAD_KEYS), rules=rules,
+                     positions=values.get("max_position_embeddings"), languages=values.get("languages"),
+                     experts=any(type(values.get(k)) is int and values[k] > 1 for k in _EXPERT_KEYS))
+        if not before.layers:
+            return before
+        # counts of kinds of layers that add up to the stack (input, recurrent and output
+        # layers): two layers of each (a config may store each layer as two blocks), so
+        # the stack is twice as deep as there are kinds
+        parts = tuple(k for k, v in values.items() if k not in _LAYER_KEYS and type(v) is int and v > 0
+                      and re.fullmatch(r"(n|num)_\w+_layers", k))
+        if len(parts) >= 2 and sum(values[k] for k in parts) == before.layers:
+            before.parts = parts
+            before.target = sum(min(values[k], 2) for k in parts)
+        # the last layers reuse keys and values of an earlier layer of their kind: one such
+        # layer, after one layer of every kind that produces them
+        shared = values.get("num_kv_shared_layers")
+        if type(shared) is int and 0 < shared < before.layers:
+            before.target = max(LAYERS, len(_kinds(values.get("layer_types"))) + 1)
+        return before
+
+
+@dataclass(frozen=True)
+class Rules:
+    """The choices ``tiny_config`` tries in turn (``RULES``), keeping the first whose model
+    builds: a hybrid's per-layer kinds kept, or its first layers only (some kinds need
+    settings the defaults leave unset); sizes the defaults leave unset (None) filled in, or not
+    (where None means "derive it" the config does so itself)."""
+
+    keep_kinds: bool = True
+    fill_unset: bool = False
+
+
+RULES = (Rules(True, False), Rules(True, True), Rules(False, False), Rules(False, True))
+
+
+def _kinds(value: Any) -> list:
+    """The distinct entries of a per-layer list of kinds (strings), in order of appearance."""
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        return []
+    return list(dict.fromkeys(value))
+
+
+def _first_layers(value: list, n: int, keep_kinds: bool = True) -> list:
+    """``n`` entries of a per-layer list: for a list of kinds ("linear_attention",
+    "full_attention"), the first layer of each kind before the others, in their order,
+    so that a tiny hybrid keeps every kind of layer; other lists are cut."""
+    if not _kinds(value) or not keep_kinds:
+        return value[:n]
+    chosen = sorted(value.index(kind) for kind in _kinds(value))[:n]
+    rest = [i for i in range(len(value)) if i not in chosen]
+    return [value[i] for i in sorted(chosen + rest[: n - len(chosen)])]
 
 
 def _is_float_noise(key: str) -> bool:
@@ -101,13 +177,33 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
     if key in _FFN_KEYS or "intermediate_size" in key:
         return min(value, 2 * HIDDEN)
     if key in _LAYER_KEYS:
-        return min(value, LAYERS)
-    if key in _KV_HEAD_KEYS:  # grouped-query attention stays grouped, multi-head stays so
+        return min(value, before.target)
+    if key in before.parts:
+        return min(value, 2)
+    if key == "num_kv_shared_layers" and before.layers and 0 < value < before.layers:
+        return 1
+    if key in _KV_HEAD_KEYS or key.endswith("num_key_value_heads"):  # grouped stays grouped, multi-head so
         return HEADS if value == before.heads else (min(value, HEADS // 2) if value > 1 else value)
     if key in _HEAD_KEYS or "num_heads" in key or "n_heads" in key:
         return min(value, HEADS)
     if key.endswith("head_dim") or key in ("kv_channels", "attention_head_dim", "rotary_dim", "d_head"):
         return min(value, HIDDEN // HEADS)
+    # state-space (Mamba) blocks: their inner width is expand * hidden and must equal
+    # heads * head width, so the expansion goes to 1 and the head width to HIDDEN // HEADS
+    if key == "expand" or key.endswith("_expand"):
+        return min(value, 1)
+    if key.endswith("d_head") or key.endswith("headdim"):
+        return min(value, HIDDEN // HEADS)
+    if "mamba" in key and key.endswith("heads"):
+        return min(value, HEADS)
+    if key.endswith("d_ssm"):
+        return min(value, HIDDEN)
+    if key.endswith("d_state") or key.endswith("state_size"):
+        return min(value, 16)
+    if (key in ("chunk_size", "mamba_chunk_size") or key.endswith("chunk_length")) and value > 0:
+        return min(value, SEQ // 2)  # a scan's or a local attention's chunk: two per sequence
+    if key.endswith("n_groups") or key.endswith("ngroups"):  # must divide the (shrunk) heads
+        return min(value, 2)
     if "lora_rank" in key:
         return min(value, 16)
     if key in _EXPERT_KEYS or key.endswith("expert_num"):
@@ -122,9 +218,12 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
         return VOCAB
     if key.endswith("token_id") or key.endswith("token_index"):
         return value if value < VOCAB else VOCAB - 1
-    # an attribute that repeats the default hidden or feed-forward width is one of them
-    if before.hidden and before.hidden >= 256 and value == before.hidden:
+    # an attribute that repeats the default hidden or feed-forward width is one of them (the
+    # hidden width of any part of the config: an adapter's output is the text width)
+    if before.hidden and before.hidden >= 256 and value == before.hidden or value in before.widths:
         return HIDDEN
+    if before.hidden and before.hidden >= 256 and value == 2 * before.hidden:
+        return 2 * HIDDEN  # a width of two hidden states side by side
     if before.ffn and before.ffn >= 256 and value == before.ffn:
         return 2 * HIDDEN
     return value
@@ -135,45 +234,153 @@ def _per_layer(value: Any) -> bool:
     return isinstance(value, dict) and bool(value) and all(str(k).isdigit() for k in value)
 
 
+def _unset_size(key: str) -> int | None:
+    """The tiny value of a size the config's defaults leave unset (None) although its model
+    needs it (a head width, a count of heads or experts), or None when ``key`` is no size."""
+    if key.endswith("head_dim"):
+        return HIDDEN // HEADS
+    if key in _KV_HEAD_KEYS or key.endswith("kv_heads"):
+        return HEADS
+    if key in _HEAD_KEYS or "num_heads" in key or "n_heads" in key:
+        return HEADS
+    if key in _EXPERT_KEYS:
+        return 4
+    if key in _TOPK_KEYS:
+        return 2
+    if key in ("n_shared_experts", "num_shared_experts"):
+        return 1
+    if "intermediate_size" in key:
+        return HIDDEN // 2 if ("moe" in key or "expert" in key) else 2 * HIDDEN
+    return None
+
+
+def _factors(total: int, n: int) -> list[int]:
+    """``n`` near-equal powers of two whose product is ``total`` (a power of two)."""
+    out = [1] * n
+    i = 0
+    while math.prod(out) < total:
+        out[i % n] *= 2
+        i += 1
+    return out
+
+
+def _shrunk_ints(value: list, before: _Before) -> list | None:
+    """A list of sizes that factors a whole: widths adding up to the hidden width (axial
+    position embeddings) scaled to add up to HIDDEN; a grid of positions multiplying to
+    the longest sequence, made to multiply to SEQ (such a model trains on exactly that
+    length). None when ``value`` is neither."""
+    if len(value) < 2 or not all(type(v) is int and v > 0 for v in value):
+        return None
+    if before.hidden and sum(value) == before.hidden:
+        scaled = [max(1, v * HIDDEN // before.hidden) for v in value]
+        scaled[-1] += HIDDEN - sum(scaled)
+        return scaled
+    if before.positions and math.prod(value) == before.positions:
+        return _factors(SEQ, len(value))
+    return None
+
+
 def _shrunk_value(key: str, value: Any, before: _Before) -> Any:
     """The small value for one config attribute, or ``value`` when no rule applies."""
+    if value is None and before.rules.fill_unset and _unset_size(key) is not None:
+        return _unset_size(key)
+    if value is None and key == "hash_seed":
+        return 0  # random hashing (LSH attention) draws its rotations alike in every forward
+    if value is None and key in _TOPK_KEYS and before.experts:
+        return 2  # experts, and no count of them per token: routing cannot run without one
+    if value is None and key == "default_language" and isinstance(before.languages, list) and before.languages:
+        return before.languages[0]  # per-language adapters (X-MOD) run for one language
+    factors = _shrunk_ints(value, before) if isinstance(value, list) else None
+    if factors is not None:
+        return factors
     if type(value) is int:
         return _shrunk_int(key, value, before)
     if isinstance(value, float) and _is_float_noise(key):
         return 0.0
     if isinstance(value, list) and before.layers and len(value) == before.layers:
-        return value[:LAYERS]  # per-layer lists (layer_types, ...)
+        # per-layer lists (layer_types, per-layer widths, ...)
+        cut = _first_layers(value, before.target, before.rules.keep_kinds)
+        return [_shrunk_int(key, v, before) if type(v) is int else v for v in cut]
     if _per_layer(value):
-        return {k: v for k, v in value.items() if int(k) < LAYERS}  # per-layer overrides
+        return {k: v for k, v in value.items() if int(k) < before.target}  # per-layer overrides
     if key == "is_decoder" and value is False:
         return True  # encoder families (BERT, ...) are causal LMs only as decoders
     return value
 
 
-def _shrunk(values: dict) -> dict:
+def _hidden_widths(values: dict) -> set[int]:
+    """The hidden widths (of 256 and more) of ``values`` and of its sub-configs."""
+    found = {v for k, v in values.items() if k in _HIDDEN_KEYS and type(v) is int and v >= 256}
+    for key, value in values.items():
+        if isinstance(value, dict) and key.endswith("config") and not _per_layer(value):
+            found |= _hidden_widths(value)
+    return found
+
+
+def _shrunk(values: dict, rules: Rules = RULES[0], widths: frozenset | None = None) -> dict:
     """``values`` (a config's ``to_dict()``) with every rule applied, sub-configs included."""
-    before = _Before.of(values)
+    widths = frozenset(_hidden_widths(values)) if widths is None else widths
+    before = _Before.of(values, rules)
+    before.widths = widths
     out = {}
     for key, value in values.items():
         if key in _DERIVED_KEYS:
             continue  # recomputed by the config from the sizes above
         if isinstance(value, dict) and key.endswith("config") and not _per_layer(value):
-            out[key] = _shrunk(value)
+            out[key] = _shrunk(value, rules, widths)
         else:
             out[key] = _shrunk_value(key, value, before)
+    kinds = _kinds(out.get("layer_types"))
+    if rules.fill_unset and out.get("rope_parameters") == {} and kinds:
+        # rotary settings keyed by layer kind, none given: each kind gets the default rotation
+        out["rope_parameters"] = {kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in kinds}
     return out
 
 
-def tiny_config(model_type: str):
+# What a released checkpoint's config sets and this transformers' config class leaves unset,
+# with no value a rule could derive: which kind each layer is, an attribute the model reads
+# from a sub-config that declares no such field. Not sizes: these are shrunk like any other.
+CHECKPOINT_VALUES = {
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"] * 16},  # LFM2-8B-A1B mixes both
+    "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},  # dbrx-instruct's attn_config
+}
+
+
+def _with_checkpoint_values(model_type: str, values: dict) -> dict:
+    for key, value in CHECKPOINT_VALUES.get(model_type, {}).items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key] = {**values[key], **value}
+        else:
+            values[key] = value
+    return values
+
+
+def tiny_config(model_type: str, rules: Rules = RULES[0]):
     """The config class's defaults with every size shrunk (see the module docstring)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     cls = CONFIG_MAPPING[model_type]
-    config = cls(**_shrunk(cls().to_dict()))
+    config = cls(**_shrunk(_with_checkpoint_values(model_type, cls().to_dict()), rules))
     config._attn_implementation = "eager"
     if hasattr(config, "use_cache"):
         config.use_cache = False
     return config
+
+
+def _tiny_on_meta(model_type: str):
+    """(config, meta model) from the first of ``RULES`` whose model builds; the first
+    rules' error when none does."""
+    import transformers as tf
+
+    first_error = None
+    for rules in RULES:
+        try:
+            config = tiny_config(model_type, rules)
+            with torch.device("meta"):
+                return config, tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+        except Exception as exc:
+            first_error = first_error or exc
+    raise first_error
 
 
 def build_tiny(model_type: str, seed: int = 0) -> nn.Module | Skip | NotSmall:
@@ -184,15 +391,14 @@ def build_tiny(model_type: str, seed: int = 0) -> nn.Module | Skip | NotSmall:
     cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     if "ConditionalGeneration" in cls_name:
         return Skip("multimodal: its causal-LM class is a conditional-generation model")
+    reason = not_plainly_trainable(model_type)
+    if reason:
+        return Skip(reason)
     try:
-        config = tiny_config(model_type)
-    except Exception as exc:  # the config's own validation rejects shrinking
-        return Skip(f"tiny config does not build: {type(exc).__name__}: {str(exc)[:120]}")
-    if getattr(config, "is_encoder_decoder", False) and not hasattr(config, "is_decoder"):
-        return Skip("encoder-decoder")
+        config, meta = _tiny_on_meta(model_type)
+    except Exception as exc:
+        return Skip(f"model does not build: {type(exc).__name__}: {str(exc)[:120]}")
     try:
-        with torch.device("meta"):
-            meta = tf.AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         size = sum(p.numel() for p in meta.parameters())
         if size > MAX_PARAMS:
             big = max(meta.named_parameters(), key=lambda kv: kv[1].numel())
@@ -208,6 +414,26 @@ def build_tiny(model_type: str, seed: int = 0) -> nn.Module | Skip | NotSmall:
     if hasattr(model, "config"):
         model.config.use_cache = False
     return model
+
+
+def not_plainly_trainable(model_type: str) -> str:
+    """Why ``model_type`` cannot be trained from ``input_ids`` alone, read from its default
+    config ("" when nothing says so)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    fields = getattr(cls, "__dataclass_fields__", {})
+    if "backbone_hidden_size" in fields and "text_config" in fields:
+        # a drafter: every layer attends to keys and values the target model computed
+        return ("a speculative-decoding drafter: its layers reuse the keys and values of a target "
+                "model (backbone_hidden_size); it does not run from input_ids alone")
+    try:
+        default = cls()
+    except Exception:  # the defaults do not validate: the rules may still make a valid one
+        return ""
+    if getattr(default, "is_encoder_decoder", False) and not hasattr(default, "is_decoder"):
+        return "encoder-decoder: its causal-LM class needs encoder outputs"
+    return ""
 
 
 def make_ids(batch: int, seq: int, seed: int = 1) -> torch.Tensor:

@@ -121,12 +121,47 @@ class HugeEmbedding(_LM):
         return torch.tanh(self.mid(h))
 
 
+class _RMSNorm(nn.Module):
+    """Reads its input twice (the mean square and the product): autograd sums two terms
+    for the input's gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(D) + 0.1 * torch.randn(D))
+
+    def forward(self, x):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * self.weight
+
+
+class ResidualIntoNorm(_LM):
+    """A pre-norm block: the residual stream enters a norm and is added back around it, and
+    the norm's output feeds three projections. The stream's gradient is a sum of terms from
+    inside the norm and from the residual path; how autograd groups that sum depends on the
+    graph, so identity views at module inputs (hf_elixir's hooks put them there) regroup it
+    (issue 27: lfm2 strayed 9x the batch split's distance through this alone)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1, self.norm2 = _RMSNorm(), _RMSNorm()
+        # no key bias: softmax ignores it, its gradient is rounding noise Adam would amplify
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D, bias=False), nn.Linear(D, D)
+        self.mlp = nn.Sequential(nn.Linear(D, 2 * D), nn.GELU(), nn.Linear(2 * D, D))
+
+    def body(self, h):
+        x = self.norm1(h)
+        scores = self.q(x) @ self.k(x).transpose(1, 2) / D ** 0.5
+        causal = torch.ones(h.shape[1], h.shape[1], dtype=torch.bool).triu(1)
+        h = h + torch.softmax(scores.masked_fill(causal, float("-inf")), -1) @ self.v(x)
+        return h + self.mlp(self.norm2(h))
+
+
 QUIRKS = {
     "inplace_output": InplaceOnOutput,
     "inplace_input": InplaceOnInput,
     "parent_reads_child": ParentReadsChild,
     "deep_nesting": DeepNesting,
     "huge_embedding": HugeEmbedding,
+    "residual_into_norm": ResidualIntoNorm,
 }
 
 

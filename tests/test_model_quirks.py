@@ -123,6 +123,58 @@ def test_a_parameter_larger_than_chunk_size_gets_its_own_chunk() -> None:
     _check("huge_embedding")
 
 
+def test_a_residual_stream_into_a_norm_and_three_projections() -> None:
+    _check("residual_into_norm")
+
+
+# ---------------------------------------------------------------------- gradient grouping
+def _first_gradients(rank: int, world_size: int) -> dict:
+    """hf_elixir's averaged gradients after one backward (each rank on its half of the
+    batch), gathered whole, and the modules whose inputs its hooks alias."""
+    import torch.distributed as dist
+
+    model = make_quirk("residual_into_norm")
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=CHUNK))
+    eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
+    rows = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
+    eopt.backward(em(input_ids=rows, labels=rows)["loss"])
+    grads = {}
+    for chunk in em.chunks:
+        whole = torch.empty(chunk.size)
+        dist.all_gather_into_tensor(whole, chunk.grad_shard)
+        for slot in chunk.slots:
+            grads[slot.name] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    hooked = {name for name, module in model.named_modules() if module in em.hooks.units}
+    return {"grads": grads, "hooked": hooked}
+
+
+def _plain_split_gradients(views: set[str]) -> dict:
+    """Plain PyTorch's gradients for the same two halves, averaged, with identity views at
+    the inputs of the ``views`` modules."""
+    from arch_sweep import with_input_views
+
+    model = with_input_views(make_quirk("residual_into_norm"), views)
+    for rows in make_batch(4, 12).chunk(2):
+        (model(input_ids=rows, labels=rows)["loss"] / 2).backward()
+    return {name: p.grad for name, p in model.named_parameters()}
+
+
+def test_gradients_are_plain_pytorchs_with_the_hooks_identity_views() -> None:
+    """Not one bit differs from plain PyTorch once plain PyTorch is given the identity views
+    the hooks hand modules as inputs: what remains between hf_elixir and plain PyTorch is
+    the grouping of sums those views cause, which the architecture sweep measures as a
+    second sample of plain PyTorch's spread (arch_sweep.py). Without the views some bits
+    differ, so the comparison is not blind."""
+    got = run_distributed(_first_gradients, 2)[0]
+    assert {"norm1", "norm2", "q", "k", "v"} <= got["hooked"]
+    twin = _plain_split_gradients(got["hooked"])
+    assert set(twin) == set(got["grads"])
+    different = [name for name in twin if not torch.equal(twin[name], got["grads"][name])]
+    assert not different, different
+    plain = _plain_split_gradients(set())
+    assert any(not torch.equal(plain[name], twin[name]) for name in twin)
+
+
 # ---------------------------------------------------------------------- MoE auxiliary loss
 def _moe_model():
     from tiny_models import make_model

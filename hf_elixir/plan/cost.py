@@ -5,7 +5,10 @@ large as their contents (``layout_sizes``: parameters on 16-byte boundaries, the
 rounded to W alignments), not ``chunk_size``:
 
 =====================  ==========================================================================
-parameter shards       compute-dtype shards of the chunks whose parameters live on the device
+parameter shards       compute-dtype shards of the trainable chunks whose parameters live on the
+                       device
+frozen shards          compute-dtype shards of the frozen chunks on the device: nothing else (no
+                       master, gradient or optimizer state); offloaded ones cost uploads only
 master weights         fp32 shard (4 B/element) per chunk whose optimizer runs on the device;
                        aliased with the parameter shard when the compute dtype is fp32
 optimizer state        AdamW/Adam: exp_avg + exp_avg_sq (8 B/element); SGD: momentum (4 B/element)
@@ -14,7 +17,7 @@ gradients              fp32 gradient shard (4 B/element) per device-optimizer ch
 rCache                 gathered blocks, made on first use and kept: the largest
                        ``rcache_blocks`` chunks at worst (at world size 1 only offloaded ones)
 activations            the profiler's live activations and temporaries at the peak instant
-frozen                 parameters that need no gradient and buffers, kept whole on the device
+buffers                buffers (and non-floating parameters), kept whole on every rank
 margin                 ``allocator_margin``: 5% on CUDA (fragmentation of the caching
                        allocator), none on a CPU, plus the hardware's ``context_bytes``
 =====================  ==========================================================================
@@ -36,7 +39,10 @@ compute slows compute by the share calibration found not to hide (``Links``). Af
 backward: on a GPU, chunks whose optimizer runs on the CPU copy their gradient shards down
 and updates run beside the device optimizer (``cpu_pipeline``); on a CPU device clipping
 and AdamW share the rank's cores (``after_backward``), and offloading costs no time: the
-state is in host memory already.
+state is in host memory already. Frozen chunks are gathered like the others (an offloaded
+one uploaded first) and take no part in anything after their use: no gradient copy, no
+reduction, no optimizer; a frozen chunk still gathered when the step ends stays gathered
+for the next pass (``fetches``).
 """
 
 from __future__ import annotations
@@ -44,11 +50,11 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Collection, Iterable, Sequence
 
 from hf_elixir.hardware import HardwareProfile
 from hf_elixir.plan.fetches import FetchReplay
-from hf_elixir.plan.plan import chunk_layout
+from hf_elixir.plan.plan import DTYPE_BYTES, chunk_layout
 
 #: fraction added to the predicted bytes for fragmentation of CUDA's caching allocator
 ALLOCATOR_MARGIN = 0.05
@@ -64,16 +70,32 @@ def allocator_margin(hw: HardwareProfile) -> float:
     return ALLOCATOR_MARGIN if hw.device_type == "cuda" else 0.0
 #: bytes per element of optimizer state
 OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 # ---------------------------------------------------------------------- packing
-def pack(order: Sequence[str], sizes: dict[str, int], chunk_size: int) -> list[list[str]]:
+def pack(order: Sequence[str], sizes: dict[str, int], chunk_size: int,
+         frozen: Collection[str] = frozenset()) -> list[list[str]]:
     """Pack parameters, in first-use order, greedily into chunks of ``chunk_size`` elements.
 
     Keeping the order means the forward needs chunks one after another, so each is gathered
     once per pass; a parameter that does not fit the current chunk opens the next one.
+
+    Parameters in ``frozen`` (``requires_grad=False``) are packed apart from the trainable
+    ones, each kind greedily in its own first-use order, so that no chunk mixes them (a
+    mixed chunk would need gradient memory for its frozen part). Cutting one sequence at
+    every change of kind instead would give LoRA a chunk per adapter. The chunks of both
+    kinds are then listed by the first use of their first parameter, so the list is still
+    in fetch order. Without frozen parameters this is the plain greedy packing.
     """
+    position = {name: i for i, name in enumerate(order)}
+    chunks: list[list[str]] = []
+    for kind in (False, True):
+        chunks += _greedy([n for n in order if (n in frozen) == kind], sizes, chunk_size)
+    chunks.sort(key=lambda c: position[c[0]])
+    return chunks
+
+
+def _greedy(order: Sequence[str], sizes: dict[str, int], chunk_size: int) -> list[list[str]]:
     chunks: list[list[str]] = []
     used = chunk_size
     for name in order:
@@ -86,6 +108,36 @@ def pack(order: Sequence[str], sizes: dict[str, int], chunk_size: int) -> list[l
         chunks[-1].append(name)
         used += n
     return chunks
+
+
+@dataclass(frozen=True)
+class Placements:
+    """Which chunks are frozen and which chunks' state lives in host memory.
+
+    ``optim_cpu``: trainable chunks whose fp32 master, optimizer state and gradient shard
+    are on the CPU. ``param_cpu``: chunks, trainable or frozen, whose compute-dtype shard is
+    on the CPU. A frozen chunk has no optimizer side, so offloading it is only ever its
+    shard: read-only, uploaded for each gather and never written back.
+    """
+
+    frozen: frozenset[int] = frozenset()
+    optim_cpu: frozenset[int] = frozenset()
+    param_cpu: frozenset[int] = frozenset()
+
+    @classmethod
+    def tails(cls, n_chunks: int, frozen: Collection[int], optim_cpu: int, param_cpu: int,
+              frozen_cpu: int) -> "Placements":
+        """Offload by counts: the last ``optim_cpu`` trainable chunks' optimizers, the last
+        ``param_cpu`` trainable chunks' shards (within those) and the last ``frozen_cpu``
+        frozen chunks' shards. The tail goes first: its gradients are reduced first in
+        backward, so their copies overlap the rest of backward."""
+        fz = sorted(frozen)
+        tr = [i for i in range(n_chunks) if i not in frozen]
+        return cls(frozenset(fz), frozenset(tr[len(tr) - optim_cpu:]),
+                   frozenset(tr[len(tr) - param_cpu:]) | frozenset(fz[len(fz) - frozen_cpu:]))
+
+    def trainable(self, n_chunks: int) -> list[int]:
+        return [i for i in range(n_chunks) if i not in self.frozen]
 
 
 def layout_sizes(chunks: Sequence[Sequence[str]], sizes: dict[str, int], world_size: int,
@@ -286,7 +338,8 @@ def _overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]])
 def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[float],
              world_size: int, links: Links,
              param_cpu: set[int] | frozenset = frozenset(),
-             adopted: set[int] | frozenset = frozenset()) -> SimResult:
+             adopted: set[int] | frozenset = frozenset(),
+             frozen: set[int] | frozenset = frozenset()) -> SimResult:
     """Event simulation of compute and the communication stream for one step.
 
     Gathers start where the runtime starts them (``fetches``, the replay of its fetching,
@@ -307,6 +360,9 @@ def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[
     embedding) takes autograd's gradient tensor as its buffer: no copy, and no buffer before
     the access that completes that gradient (its last backward use), where the trace already
     counts the tensor as a temporary (``beyond_trace``).
+
+    A chunk in ``frozen`` is gathered like any other (uploaded first when it is in
+    ``param_cpu``) but has no gradient: no buffer, no copy into one and no reduction.
     """
     W = world_size
     n_chunks = len(chunk_bytes)
@@ -318,13 +374,15 @@ def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[
     for i, a in enumerate(seq):
         if a.phase == "backward":
             for c in a.chunks:
+                if c in frozen:
+                    continue
                 if first_bwd[c] < 0:
                     first_bwd[c] = i
                 last_bwd[c] = i
-    finishing: list[list[int]] = [[] for _ in seq]
+    finishing: dict[int, list[int]] = {}  # event -> chunks whose last backward use it is
     for c, i in enumerate(last_bwd):
         if i >= 0:
-            finishing[i].append(c)
+            finishing.setdefault(i, []).append(c)
     demand, waits, ahead = fetches.at_events(E)
 
     comm = 0.0
@@ -367,31 +425,41 @@ def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[
     t = 0.0
     compute = 0.0
     for e in range(E):
+        done = finishing.get(e, ())
+        if not (demand[e] or waits[e] or ahead[e] or done or (e == 0 and fetches.carried)):
+            # nothing starts, waits or ends here: the event's own compute only (most events)
+            work = seq[e].seconds
+            computing.append((t, t + work))
+            t += work
+            compute += work
+            continue
         for c in demand[e]:
             gather(c, t)
         start = max([t] + [ready[c] for c in demand[e] + waits[e]])
         for c in ahead[e]:
             gather(c, start)
         started = demand[e] + ahead[e] + (list(fetches.carried) if e == 0 else [])
-        work = (seq[e].seconds + sum(grad_copy[c] for c in finishing[e])
+        work = (seq[e].seconds + sum(grad_copy[c] for c in done)
                 + sum(shard_copy[c] for c in started))
         copies += work - seq[e].seconds
         t = start + work
         computing.append((start, t))
         compute += work
-        for c in finishing[e]:
+        for c in done:
             rs_done[c] = on_stream("reduce", red[c], t)
     for c in range(n_chunks):
-        if last_bwd[c] < 0:  # never used in backward (unused parameters): reduced at the end
+        if last_bwd[c] < 0 and c not in frozen:  # never used in backward: reduced at the end
             rs_done[c] = on_stream("reduce", red[c], t)
     end = max(t, comm)
     # communication the stream ran beside compute slowed compute by what did not hide
-    end += ((1.0 - links.gather_overlap) * _overlap(spans["gather"], computing)
-            + (1.0 - links.reduce_overlap) * _overlap(spans["reduce"], computing))
+    # (a share that hides whole, as on a GPU, needs no intersection)
+    slowed = [(1.0 - share) * _overlap(spans[kind], computing) if share != 1.0 else 0.0
+              for kind, share in (("gather", links.gather_overlap), ("reduce", links.reduce_overlap))]
+    end += slowed[0] + slowed[1]
     # The runtime keeps REDUCTIONS_IN_FLIGHT reductions pending and completes (frees) the
     # oldest when another is issued; the rest complete when backward ends.
     issued_at = sorted((last_bwd[c], c) for c in range(n_chunks) if last_bwd[c] >= 0)
-    begin = [last_bwd[c] if c in adopted else first_bwd[c] for c in range(n_chunks)]
+    begin = [-1 if c in frozen else last_bwd[c] if c in adopted else first_bwd[c] for c in range(n_chunks)]
     spans_of = [(begin[c], E) for c in range(n_chunks)]
     for j, (e_issue, c) in enumerate(issued_at):
         if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
@@ -432,8 +500,11 @@ def after_backward(shard_elems: float, figs, hw: HardwareProfile, world_size: in
 
 
 def cpu_pipeline(rs_done: Sequence[float], backward_end: float, elems: Sequence[int], world_size: int,
-                 compute_bytes: int, hw: HardwareProfile, ranks_per_node: int) -> list[float]:
+                 compute_bytes: int, hw: HardwareProfile, ranks_per_node: int,
+                 chunks: Sequence[int] | None = None) -> list[float]:
     """End time of the CPU optimizer when the last k chunks are offloaded, for k = 0..n.
+    ``chunks``: the chunks that have an optimizer (the trainable ones, in order; default
+    all): k counts the last of those, since a frozen chunk has nothing to update.
 
     Offloaded chunks are the tail of the packing order: their gradients are reduced first in
     backward, so their device->host copies overlap the rest of backward. The updates
@@ -442,13 +513,13 @@ def cpu_pipeline(rs_done: Sequence[float], backward_end: float, elems: Sequence[
     CPU AdamW (the host's throughput is shared by the node's ranks), then a host->device copy
     of the updated compute-dtype shard.
     """
-    n = len(rs_done)
+    order = range(len(rs_done)) if chunks is None else chunks
     rate = hw.cpu_adam_throughput / max(1, ranks_per_node)
     ends = [0.0]
     link = 0.0
     free = backward_end
     end = 0.0
-    for j in range(n - 1, -1, -1):
+    for j in reversed(order):
         shard = elems[j] / world_size
         link = max(link, rs_done[j]) + shard * compute_bytes / hw.d2h_bandwidth
         start = max(link, free)
@@ -467,22 +538,24 @@ class MemoryBreakdown:
     gradients: float
     rcache: float
     activations: float
-    frozen: float
+    buffers: float
     margin: float = 0.0
+    frozen_shards: float = 0.0
 
     def total(self) -> float:
         return (self.parameters + self.master_weights + self.optimizer_state + self.gradients
-                + self.rcache + self.activations + self.frozen + self.margin)
+                + self.rcache + self.activations + self.buffers + self.frozen_shards + self.margin)
 
     def as_dict(self) -> dict[str, int]:
         return {
             "parameters": int(self.parameters),
+            "frozen_shards": int(self.frozen_shards),
             "master_weights": int(self.master_weights),
             "optimizer_state": int(self.optimizer_state),
             "gradients": int(self.gradients),
             "rcache": int(self.rcache),
             "activations": int(self.activations),
-            "frozen_and_buffers": int(self.frozen),
+            "buffers": int(self.buffers),
             "margin": int(self.margin),
         }
 
@@ -503,34 +576,38 @@ def aligned_peak(live: Sequence[tuple[int, int]], buffers: Sequence[float]) -> t
 
 
 def memory(elems: Sequence[int], world_size: int, compute_dtype: str, optimizer: str,
-           rcache_blocks: int, n_optim_cpu: int, n_param_cpu: int, activation_bytes: float,
-           frozen_bytes: float, context_bytes: float, grad_buffer_bytes: float,
+           rcache_blocks: int, placements: Placements, activation_bytes: float,
+           buffer_bytes: float, context_bytes: float, grad_buffer_bytes: float,
            margin_fraction: float = ALLOCATOR_MARGIN) -> MemoryBreakdown:
     """Predicted peak device bytes per rank (see the module docstring for each category).
 
-    ``elems``: each chunk's elements as laid out (``layout_sizes``). Offloaded chunks are the
-    last ``n_optim_cpu`` (optimizer) and last ``n_param_cpu`` (parameters; always within the
-    optimizer-offloaded ones). ``activation_bytes`` and ``grad_buffer_bytes`` are taken at
-    the same instant (``aligned_peak``).
+    ``elems``: each chunk's elements as laid out (``layout_sizes``); ``placements``: which
+    are frozen and what lives on the CPU. ``buffer_bytes``: what every rank holds whole
+    (buffers, non-floating parameters). ``activation_bytes`` and ``grad_buffer_bytes`` are
+    taken at the same instant (``aligned_peak``).
     """
     cb = DTYPE_BYTES[compute_dtype]
     n = len(elems)
     W = world_size
-    dev_param_elems = sum(elems[: n - n_param_cpu]) / W
-    dev_optim_elems = sum(elems[: n - n_optim_cpu]) / W
+    trainable = placements.trainable(n)
+    on_device = [i for i in range(n) if i not in placements.param_cpu]
+    dev_param_elems = sum(elems[i] for i in on_device if i not in placements.frozen) / W
+    dev_frozen_elems = sum(elems[i] for i in on_device if i in placements.frozen) / W
+    dev_optim_elems = sum(elems[i] for i in trainable if i not in placements.optim_cpu) / W
     aliased = compute_dtype == "float32"
     # blocks are made on first use and kept; at most rcache_blocks of them, the largest chunks
     # at worst; at world size 1 a chunk whose shard is on the device is its own block
-    needing = elems if W > 1 else elems[n - n_param_cpu:]
+    needing = elems if W > 1 else [elems[i] for i in sorted(placements.param_cpu)]
     blocks = sorted(needing, reverse=True)[: rcache_blocks]
     m = MemoryBreakdown(
         parameters=dev_param_elems * cb,
+        frozen_shards=dev_frozen_elems * cb,
         master_weights=0.0 if aliased else dev_optim_elems * 4,
         optimizer_state=dev_optim_elems * OPTIMIZER_STATE_BYTES[optimizer],
         gradients=dev_optim_elems * 4 + grad_buffer_bytes,
         rcache=sum(blocks) * cb,
         activations=activation_bytes,
-        frozen=frozen_bytes,
+        buffers=buffer_bytes,
     )
     m.margin = margin_fraction * m.total() + context_bytes
     return m

@@ -13,8 +13,10 @@ gather runs (``cost.simulate``) follow from one replay. It mirrors these rules:
 - after each fetch it starts gathers for the next ``prefetch`` distinct chunks that are
   neither gathered nor in flight, looking 64 requests ahead, evicting only a chunk that is
   needed later than the prefetched one (and stopping at the first it cannot place);
-- an optimizer step marks every chunk stale, keeps the blocks and prefetches the first
-  chunks of the next pass.
+- an optimizer step marks every trainable chunk stale, keeps the blocks and prefetches the
+  first chunks of the next pass; a frozen chunk cannot change, so one still gathered (or
+  being gathered) then stays so, and the next pass finds it without a gather
+  (``Fetcher.release_all(keep_frozen=True)``).
 
 The first pass records the trace (no prefetch, least-recently-used eviction); the replay
 repeats passes until one starts as the previous did and returns that steady-state step.
@@ -56,10 +58,18 @@ class FetchReplay:
     carried: tuple[int, ...]          # gathers the previous optimizer step started for this step
     fetches: list[Fetch] = field(default_factory=list)
     gathers: list[int] = field(default_factory=list)  # per chunk: gathers started per step
+    # at_events' answers: the search simulates one replay under several placements
+    _by_event: dict = field(default_factory=dict, repr=False, compare=False)
 
     def at_events(self, n_events: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         """Per traced event: chunks gathered on demand, chunks waited for, chunks prefetched
-        (the fetches that belong to it merged in order)."""
+        (the fetches that belong to it merged in order). Computed once per ``n_events``: a
+        replay is not changed after it is made, and the lists are only read."""
+        if n_events not in self._by_event:
+            self._by_event[n_events] = self._at_events(n_events)
+        return self._by_event[n_events]
+
+    def _at_events(self, n_events: int) -> tuple[list[list[int]], list[list[int]], list[list[int]]]:
         demand: list[list[int]] = [[] for _ in range(n_events)]
         waits: list[list[int]] = [[] for _ in range(n_events)]
         ahead: list[list[int]] = [[] for _ in range(n_events)]
@@ -133,9 +143,11 @@ def fetch_ops(pins: Sequence[tuple[str, str]], module_params: Mapping[str, Seque
 class _Runtime:
     """The fetch state of the runtime between requests."""
 
-    def __init__(self, requests: Requests, blocks: int, prefetch: int, in_place: frozenset[int]) -> None:
+    def __init__(self, requests: Requests, blocks: int, prefetch: int, in_place: frozenset[int],
+                 frozen: frozenset[int] = frozenset()) -> None:
         n = requests.n_chunks
         self.requests, self.blocks, self.prefetch, self.in_place = requests, blocks, prefetch, in_place
+        self.frozen = frozen
         self.status = [_RELEASED] * n
         self.resident: set[int] = set()
         self.pins = [0] * n
@@ -201,8 +213,13 @@ class _Runtime:
         if not self.on_trace or self.prefetch <= 0:
             return []
         started: list[int] = []
-        wanted = [(c, pos) for c, pos in self.requests.windows[self.cursor + 1]
-                  if self.status[c] == _RELEASED and c not in self.in_place][: self.prefetch]
+        wanted: list[tuple[int, int]] = []
+        status, in_place = self.status, self.in_place
+        for c, pos in self.requests.windows[self.cursor + 1]:  # the first ``prefetch`` to gather
+            if status[c] == _RELEASED and c not in in_place:
+                wanted.append((c, pos))
+                if len(wanted) == self.prefetch:
+                    break
         for c, pos in wanted:
             if c not in self.resident:
                 if len(self.resident) >= self.blocks:
@@ -220,8 +237,9 @@ class _Runtime:
         return started
 
     def end_step(self) -> tuple[int, ...]:
-        """The optimizer step: everything stale, blocks kept; then the next pass's prefetch."""
-        self.status = [_RELEASED] * len(self.status)
+        """The optimizer step: every trainable chunk stale (frozen ones keep their state),
+        blocks kept; then the next pass's prefetch."""
+        self.status = [s if c in self.frozen else _RELEASED for c, s in enumerate(self.status)]
         self.pins = [0] * len(self.pins)
         self.on_trace, self.cursor = True, -1
         return tuple(self.prefetch_ahead())
@@ -231,13 +249,15 @@ class _Runtime:
 
 
 def replay(requests: Requests, blocks: int, prefetch: int, world_size: int,
-           param_cpu: frozenset[int] | set[int] = frozenset()) -> FetchReplay:
+           param_cpu: frozenset[int] | set[int] = frozenset(),
+           frozen: frozenset[int] | set[int] = frozenset()) -> FetchReplay:
     """The steady-state step of the runtime's fetching for ``requests`` (``fetch_ops``)
     with ``blocks`` rCache blocks and prefetch depth ``prefetch``; ``param_cpu``: the
-    chunks whose parameter shard lives in host memory."""
+    chunks whose parameter shard lives in host memory; ``frozen``: the frozen chunks (not
+    released by the optimizer step)."""
     n_chunks = requests.n_chunks
     in_place = frozenset(range(n_chunks)) - frozenset(param_cpu) if world_size == 1 else frozenset()
-    rt = _Runtime(requests, blocks, prefetch, in_place)
+    rt = _Runtime(requests, blocks, prefetch, in_place, frozenset(frozen))
     seen: list[tuple] = []
     carried: tuple[int, ...] = ()
     result = FetchReplay(carried=())

@@ -22,8 +22,8 @@ class FetchNeeds:
     """What ``trace_fetch_needs`` found.
 
     Attributes:
-        module_params: module -> the trainable parameters the runtime fetches for it (its
-            own, a fetch unit's subtree, and the borrowed ones).
+        module_params: module -> the chunked parameters (trainable and frozen) the runtime
+            fetches for it (its own, a fetch unit's subtree, and the borrowed ones).
         borrowed: module -> parameters its forward reads without owning them.
         pins: the runtime's pin/unpin sequence (``Trace.pins``).
     """

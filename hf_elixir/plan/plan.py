@@ -22,6 +22,8 @@ PLAN_FORMAT_VERSION = 1
 Placement = Literal["device", "cpu"]
 _PLACEMENTS = ("device", "cpu")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: bytes per element of each compute dtype
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",
@@ -131,11 +133,12 @@ class ElixirPlan:
         fetch_units: module names whose whole subtree is fetched as one unit (dynamic control
             flow inside, e.g. mixture-of-experts blocks), so that every rank issues the same
             collectives whatever its routing.
-        borrowed: module name -> trainable parameters its forward reads without owning them
+        borrowed: module name -> parameters its forward reads without owning them
             (``self.child.weight`` read by the parent); the runtime fetches them for it too.
         min_rcache_blocks: the fewest rCache blocks this model and packing can run with (the
             most chunks in use at once, from the traced step); 0 when unknown.
-        signature: digest of the trainable parameters' names and shapes (see model_signature).
+        signature: digest of the chunked parameters' names, shapes and frozen flags (see
+            model_signature).
         predictions: optional figures from the planner (peak bytes by category, step time).
         alternatives: optional runner-up candidates with the reason they lost.
     """

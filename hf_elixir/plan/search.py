@@ -1,10 +1,13 @@
 """The plan search: the fastest plan whose predicted peak memory fits the budget.
 
 Enumerated, for each candidate chunk size (``cost.chunk_size_candidates``; parameters packed
-in forward first-use order): activation checkpointing on/off, rCache blocks (from the
-minimum usable, a module's chunk span plus the prefetch room, up to every chunk), prefetch
-depth 0-2, the number of tail chunks whose optimizer runs on the CPU, and, with every
-optimizer offloaded, the number of tail chunks whose parameters also live on the CPU.
+in forward first-use order, frozen ones into chunks of their own): activation checkpointing
+on/off, rCache blocks (from the minimum usable, a module's chunk span plus the prefetch
+room, up to every chunk), prefetch depth 0-2, the number of tail frozen chunks whose shards
+live on the CPU, the number of tail trainable chunks whose optimizer runs on the CPU, and,
+with every optimizer and every frozen chunk offloaded, the number of tail trainable chunks
+whose parameters also live on the CPU. Frozen chunks are the first candidates for parameter
+offload: read-only, they cost one upload per gather and nothing else.
 
 Selection. Candidates are ranked by (predicted step time, bytes communicated, bytes over
 PCIe, peak memory), where a plan that offloads anything is charged ``OFFLOAD_MARGIN`` (2%)
@@ -34,7 +37,8 @@ from hf_elixir import calibrate
 from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
 from hf_elixir.plan import cost, fetches, traffic
 from hf_elixir.plan.needs import rcache_minimum
-from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError, canonical_dtype, model_signature
+from hf_elixir.plan.plan import (ChunkPlan, ElixirPlan, PlanError, canonical_dtype, chunked_parameters,
+                                 model_signature)
 from hf_elixir.profile.profiler import ModelProfile, profile_model
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
@@ -43,6 +47,9 @@ PREFETCH_DEPTHS = (0, 1, 2)
 #: offload: its overlap with compute is the least certain part of the cost model
 OFFLOAD_MARGIN = 0.02
 MAX_GRID = 128
+#: most counts of offloaded frozen chunks tried per (chunk size, checkpointing, rCache,
+#: prefetch): each needs its own simulated step
+FROZEN_GRID = 8
 
 
 @dataclass
@@ -62,19 +69,33 @@ class Candidate:
     time: dict[str, float]
     gathers: int
     ledger_peak: int = 0  # what the runtime's ledger holds at its own peak
+    n_frozen: int = 0       # chunks that hold frozen parameters (among n_chunks)
+    n_frozen_cpu: int = 0   # the last of them whose shards live on the CPU
+
+    @property
+    def n_trainable(self) -> int:
+        return self.n_chunks - self.n_frozen
 
     @property
     def optim_offload(self) -> float:
-        return self.n_optim_cpu / self.n_chunks
+        """Share of the trainable chunks whose optimizer runs on the CPU."""
+        return self.n_optim_cpu / max(1, self.n_trainable)
 
     @property
     def param_offload(self) -> float:
-        return self.n_param_cpu / self.n_chunks
+        """Share of the trainable chunks whose parameter shards live on the CPU."""
+        return self.n_param_cpu / max(1, self.n_trainable)
+
+    @property
+    def frozen_offload(self) -> float:
+        """Share of the frozen chunks whose shards live on the CPU."""
+        return self.n_frozen_cpu / max(1, self.n_frozen)
 
     def key(self) -> tuple:
         """What the search ranks by: predicted time, offloading plans charged
         ``OFFLOAD_MARGIN`` extra (see the module docstring), then bytes moved, then memory."""
-        margin = 1.0 + OFFLOAD_MARGIN if (self.n_optim_cpu or self.n_param_cpu) else 1.0
+        offloads = self.n_optim_cpu or self.n_param_cpu or self.n_frozen_cpu
+        margin = 1.0 + OFFLOAD_MARGIN if offloads else 1.0
         return (round(self.step_time * margin * 1e9), round(self.comm_bytes), round(self.pcie_bytes), self.peak)
 
     def describe(self) -> dict[str, Any]:
@@ -82,7 +103,8 @@ class Candidate:
             "chunk_size": self.chunk_size, "n_chunks": self.n_chunks,
             "activation_checkpointing": self.checkpointing, "rcache_blocks": self.rcache_blocks,
             "prefetch_depth": self.prefetch_depth, "optim_offload_chunks": self.n_optim_cpu,
-            "param_offload_chunks": self.n_param_cpu, "peak_bytes": int(self.peak),
+            "param_offload_chunks": self.n_param_cpu, "frozen_chunks": self.n_frozen,
+            "frozen_offload_chunks": self.n_frozen_cpu, "peak_bytes": int(self.peak),
             "step_time_s": self.step_time, "memory": dict(self.memory), "time": dict(self.time),
             "gathers_per_step": self.gathers,
         }
@@ -139,7 +161,13 @@ def model_efficiency(mode: float | str, model: Any, profile: ModelProfile, hw: H
     if mode not in ("auto", "measure", "calibrated"):
         raise PlanError(f"efficiency must be a number, 'auto', 'measure' or 'calibrated'; got {mode!r}")
     local = bool(hw.compute) and hw.device_type == local_device_type()
-    if mode == "calibrated" or (mode == "auto" and not local):
+    # a model on the meta device (``hf_elixir.profile.lora``'s LoRA fine-tunes) has no values
+    # to run: only its config could be timed, and it is not at hand
+    on_meta = isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
+    if mode == "measure" and on_meta:
+        raise PlanError("efficiency='measure' times the model, but this one is on the meta device (no "
+                        "values to run): pass the real model or its config, or efficiency='calibrated'")
+    if mode == "calibrated" or (mode == "auto" and (not local or on_meta)):
         return {"value": None, "source": "calibrated"}
     if not local:
         raise PlanError(
@@ -165,28 +193,33 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     """Every candidate with its predicted memory and time (independent of the budget).
 
     ``efficiency``: this model's measured compute efficiency (``model_efficiency``); None
-    takes the calibrated one for the model's width.
+    takes the calibrated one for the model's width. Returns the candidates and, per chunk
+    size, its packing (each chunk trainable or frozen: ``frozen_chunk_ids``).
     """
     sizes = {p.name: p.numel for p in profile.params}
+    frozen_names = frozenset(p.name for p in profile.params if p.frozen)
     order = profile.param_order()
     cb = cost.DTYPE_BYTES[compute_dtype]
     ranks_per_node = min(world_size, hw.gpus_per_node)
     figs = compute_figures(profile, hw, world_size, efficiency)
     # each fetch event: its operators, plus what the runtime's hooks cost around them
     price = lambda w: calibrate.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
-    frozen = profile.frozen_bytes + profile.buffer_bytes
     context = hw.context_bytes if hw.device_type == "cuda" else 0
     modes = [False] + ([True] if profile.checkpointed is not None else [])
     packings: dict[int, list[list[str]]] = {}
     out: list[Candidate] = []
     for S in cost.chunk_size_candidates(sizes.values(), world_size):
-        chunks = cost.pack(order, sizes, S)
+        chunks = cost.pack(order, sizes, S, frozen_names)
         packings[S] = chunks
         n = len(chunks)
+        frozen = frozen_chunk_ids(chunks, frozen_names)
+        trainable = [i for i in range(n) if i not in frozen]
+        fz = sorted(frozen)
+        nt, nf = len(trainable), len(fz)
         param_chunk = {name: i for i, c in enumerate(chunks) for name in c}
         elems = cost.layout_sizes(chunks, sizes, world_size, cb)
         chunk_bytes = [e * cb for e in elems]
-        adopted = cost.adopting_chunks(chunks, sizes, elems)
+        adopted = cost.adopting_chunks(chunks, sizes, elems) - frozen
         links = cost.Links.of(hw, world_size, figs)
         for ckpt in modes:
             step = profile.step(ckpt)
@@ -196,28 +229,45 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
             span = cost.max_span(tr.module_params, param_chunk)
             nested = rcache_minimum(tr.pins, tr.module_params, chunks)
             live = tr.live or [(0, step.memory.peak)] * len(seq)
-            ctx = _Context(S, n, ckpt, elems, cb, world_size, compute_dtype, optimizer, frozen,
-                           context, hw, figs, live)
+            ctx = _Context(S, n, ckpt, elems, cb, world_size, compute_dtype, optimizer,
+                           profile.buffer_bytes, context, hw, figs, live, frozen, trainable)
+
+            def simulated(R: int, d: int, on_host: frozenset[int], replayed: fetches.FetchReplay):
+                # host shards change the fetching only at world size 1 (in place otherwise)
+                if world_size == 1 and on_host:
+                    replayed = fetches.replay(requests, R, d, world_size, on_host, frozen)
+                sim = cost.simulate(seq, replayed, chunk_bytes, world_size, links, param_cpu=on_host,
+                                    adopted=adopted, frozen=frozen)
+                ends = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw,
+                                         ranks_per_node, trainable)
+                return sim, ends
+
             for d in PREFETCH_DEPTHS:
                 r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
-                    replayed = fetches.replay(requests, R, d, world_size)
-                    sim = cost.simulate(seq, replayed, chunk_bytes, world_size, links, adopted=adopted)
-                    cpu_end = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw, ranks_per_node)
-                    for k in _grid(0, n):
-                        out.append(_candidate(ctx, R, d, k, 0, sim, cpu_end[k]))
-                    if d == 1 and R == r_min:
-                        # parameters offloaded too (with every optimizer state on the CPU)
-                        for p in _grid(1, n, 16):
-                            on_host = frozenset(range(n - p, n))
-                            # host shards change the fetching only at world size 1 (in place)
-                            fetched = fetches.replay(requests, R, d, world_size, on_host) if world_size == 1 else replayed
-                            sim_p = cost.simulate(seq, fetched, chunk_bytes, world_size, links,
-                                                  param_cpu=on_host, adopted=adopted)
-                            cpu_end_p = cost.cpu_pipeline(sim_p.rs_done, sim_p.backward_end, elems, world_size, cb, hw, ranks_per_node)
-                            out.append(_candidate(ctx, R, d, n, p, sim_p, cpu_end_p[n]))
+                    replayed = fetches.replay(requests, R, d, world_size, frozenset(), frozen)
+                    # frozen chunks' shards on the CPU (the tail first), each count with every
+                    # count of offloaded optimizers; only with prefetch, which is what hides
+                    # their uploads (without, the same memory is always faster with prefetch)
+                    for f in _grid(0, nf, FROZEN_GRID) if d else [0]:
+                        sim, cpu_end = simulated(R, d, frozenset(fz[nf - f:]), replayed)
+                        for k in _grid(0, nt):
+                            out.append(_candidate(ctx, R, d, k, 0, f, sim, cpu_end[k]))
+                    if d == 1 and R == r_min and nt:
+                        # trainable parameters offloaded too, after every optimizer and every
+                        # frozen chunk (read-only, they go first)
+                        for p in _grid(1, nt, 16):
+                            on_host = frozenset(trainable[nt - p:]) | frozen
+                            sim_p, cpu_end_p = simulated(R, d, on_host, replayed)
+                            out.append(_candidate(ctx, R, d, nt, p, nf, sim_p, cpu_end_p[nt]))
     return out, packings
+
+
+def frozen_chunk_ids(chunks: list[list[str]], frozen_names: frozenset[str] | set[str]) -> frozenset[int]:
+    """The chunks of a packing (``cost.pack``) that hold frozen parameters: a chunk holds one
+    kind only, so its first parameter tells."""
+    return frozenset(i for i, c in enumerate(chunks) if c and c[0] in frozen_names)
 
 
 @dataclass
@@ -232,49 +282,61 @@ class _Context:
     W: int
     dtype: str
     optimizer: str
-    frozen: float
+    whole: float  # bytes every rank holds whole: buffers, non-floating parameters
     context: float
     hw: HardwareProfile
     figs: Any
     live: list
+    frozen: frozenset[int]
+    trainable: list[int]
 
 
-def _candidate(x: _Context, R: int, d: int, k: int, p: int, sim: cost.SimResult, cpu_end: float) -> Candidate:
+def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.SimResult,
+               cpu_end: float) -> Candidate:
+    """Candidate ``k`` optimizer-offloaded, ``p`` parameter-offloaded trainable chunks and
+    ``f`` offloaded frozen chunks (the tails of each kind) with one simulated step."""
     hw, n, cb, W = x.hw, x.n, x.cb, x.W
+    places = cost.Placements.tails(n, x.frozen, k, p, f)
+    nt = len(x.trainable)
     # one rank adds gradients straight into device gradient shards: only chunks whose
     # optimizer (and so gradient shard) is offloaded need a full-chunk buffer
     chunk_bytes = [e * cb for e in x.elems]
-    buffered = range(n) if W > 1 else range(n - k, n)
+    buffered = x.trainable if W > 1 else x.trainable[nt - k:]
     ledger_buffers = sim.buffers_of(buffered, chunk_bytes)
     act, buf = cost.aligned_peak(x.live, sim.beyond_trace(ledger_buffers, buffered, chunk_bytes))
-    mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, k, p, act, x.frozen, x.context, buf,
+    mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, places, act, x.whole, x.context, buf,
                       cost.allocator_margin(hw))
-    # what the runtime's ledger holds at its own peak (no activations, no frozen parameters):
-    # its gradient buffers peak later in backward than the step's total does
-    ledger_peak = int(mem.parameters + mem.master_weights + mem.optimizer_state + mem.rcache
-                      + mem.gradients - buf + max(ledger_buffers, default=0.0))
+    # what the runtime's ledger holds at its own peak (no activations, no buffers): its
+    # gradient buffers peak later in backward than the step's total does
+    ledger_peak = int(mem.parameters + mem.frozen_shards + mem.master_weights + mem.optimizer_state
+                      + mem.rcache + mem.gradients - buf + max(ledger_buffers, default=0.0))
     shards = [e / W for e in x.elems]
-    off, off_params = sum(shards[n - k:]), sum(shards[n - p:])
+    off = sum(shards[i] for i in x.trainable[nt - k:])
+    off_params = sum(shards[i] for i in x.trainable[nt - p:])
+    trained = sum(shards[i] for i in x.trainable)
     if hw.device_type == "cpu":  # optimizer and clipping share the rank's cores; nothing is copied
-        dev_opt = cost.after_backward(sum(shards), x.figs, hw, W)
+        dev_opt = cost.after_backward(trained, x.figs, hw, W)
         step = sim.backward_end + dev_opt
         cpu_time = off / x.figs.adam_rate
         exposed_cpu = 0.0
     else:
-        dev_opt = (sum(shards) - off) / hw.device_adam_throughput
+        dev_opt = (trained - off) / hw.device_adam_throughput
         device_end = sim.backward_end + dev_opt
         step = max(device_end, cpu_end)
         cpu_time = off / (hw.cpu_adam_throughput / max(1, min(W, hw.gpus_per_node)))
         exposed_cpu = max(0.0, cpu_end - device_end)
     # offloaded chunks: gradient shard down, updated parameters up (skipped when they stay on
-    # CPU); a CPU device has no second memory to copy to (as traffic.step_traffic counts)
+    # CPU), offloaded shards (frozen ones too) up for each gather; a CPU device has no second
+    # memory to copy to (as traffic.step_traffic counts)
     pcie = off * cb + (off - off_params) * cb + sim.h2d_param_bytes if hw.device_type != "cpu" else 0.0
+    reduced = sum(x.elems[i] for i in x.trainable)
     return Candidate(
         chunk_size=x.S, n_chunks=n, checkpointing=x.ckpt, rcache_blocks=R, prefetch_depth=d,
         n_optim_cpu=k, n_param_cpu=p, peak=mem.total(), step_time=step,
-        comm_bytes=sim.gather_bytes + sum(x.elems) * cb * (W - 1) / W, pcie_bytes=pcie,
+        comm_bytes=sim.gather_bytes + reduced * cb * (W - 1) / W, pcie_bytes=pcie,
         memory=mem.as_dict(),
         ledger_peak=ledger_peak,
+        n_frozen=len(x.frozen), n_frozen_cpu=f,
         time={
             "forward_backward": sim.backward_end,
             "compute": sim.compute,
@@ -301,7 +363,7 @@ def chain(cands: list[Candidate]) -> list[Candidate]:
             continue
         last = kept[-1]
         if (c.key() < last.key() and c.optim_offload <= last.optim_offload
-                and c.param_offload <= last.param_offload):
+                and c.param_offload <= last.param_offload and c.frozen_offload <= last.frozen_offload):
             kept.append(c)
     return kept
 
@@ -321,8 +383,12 @@ def plan(
 ) -> ElixirPlan:
     """Profile ``model`` on the meta device and return the fastest plan that fits.
 
+    Parameters with ``requires_grad=False`` (a PEFT model's base, frozen embeddings or
+    layers) are planned as frozen chunks: sharded like the rest, held in the compute dtype
+    only, offloaded to CPU memory first when the budget needs it.
+
     Args:
-        model: an ``nn.Module`` (not modified) or a transformers config.
+        model: an ``nn.Module`` (not modified; a PEFT model too) or a transformers config.
         example_batch: per-rank micro-batch: a dict of tensors (shapes only) or
             ``(batch_size, seq_len)``.
         hardware: a ``HardwareProfile``, a preset name, or None for ``HardwareProfile.detect()``.
@@ -353,10 +419,18 @@ def plan(
     if W < 1:
         raise PlanError(f"world_size must be >= 1, got {W}")
     budget = parse_memory(memory_budget) if memory_budget is not None else hw.device_memory
+    untrainable = PlanError(
+        "the model has no floating-point parameters that require gradients, so there is nothing "
+        "to train; unfreeze some (or add an adapter, e.g. peft.get_peft_model) before planning"
+    )
+    if isinstance(model, nn.Module) and not any(p.requires_grad for _, p in chunked_parameters(model)):
+        raise untrainable
     if profile is None:
         profile = profile_model(model, example_batch, dtype=compute_dtype,
                                 attention_target=hw.device_type)
     t_prof = time.perf_counter() - t0
+    if not profile.trainable:
+        raise untrainable
     measured = model_efficiency(efficiency, model, profile, hw, W, compute_dtype)
     measured["used"] = compute_figures(profile, hw, W, measured["value"]).efficiency
 
@@ -402,16 +476,21 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
     W = world_size
     sizes = {p.name: p.numel for p in profile.params}
     n = len(chunks)
+    frozen = frozen_chunk_ids(chunks, {p.name for p in profile.params if p.frozen})
+    places = cost.Placements.tails(n, frozen, c.n_optim_cpu, c.n_param_cpu, c.n_frozen_cpu)
     plan_chunks = [
         ChunkPlan(params=list(ch),
-                  optim_placement="cpu" if i >= n - c.n_optim_cpu else "device",
-                  param_placement="cpu" if i >= n - c.n_param_cpu else "device",
-                  numel=sum(sizes[name] for name in ch))
+                  optim_placement="cpu" if i in places.optim_cpu else "device",
+                  param_placement="cpu" if i in places.param_cpu else "device",
+                  numel=sum(sizes[name] for name in ch),
+                  frozen=i in frozen)
         for i, ch in enumerate(chunks)
     ]
-    named = [(p.name, torch.empty(p.shape, device="meta")) for p in profile.params]
+    named = [(p.name, torch.empty(p.shape, device="meta", requires_grad=not p.frozen)) for p in profile.params]
     tokens = profile.batch_size * profile.seq_len * W
     step = profile.step(c.checkpointing)
+    cb = cost.DTYPE_BYTES[compute_dtype]
+    frozen_shards = sum(cost.layout_sizes([chunks[i] for i in frozen], sizes, W, cb)) // W * cb
     predictions = {
         "peak_bytes": int(c.peak),
         "budget_bytes": int(budget),
@@ -433,6 +512,10 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         "seq_len": profile.seq_len,
         "model": profile.model_name,
         "n_params": profile.n_params,
+        # the frozen weights: whole (what each rank would hold replicated) and as shards
+        "frozen": {"params": profile.n_frozen_params, "bytes": profile.frozen_bytes,
+                   "shard_bytes_per_rank": frozen_shards, "chunks": len(frozen),
+                   "offloaded_chunks": c.n_frozen_cpu},
         "margin": {"allocator_fraction": cost.allocator_margin(hw),
                    "context_bytes": hw.context_bytes if hw.device_type == "cuda" else 0},
         **(extra or {}),
@@ -454,7 +537,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
     # bytes on the wire, as the runtime counts them (see traffic.py)
     host = traffic.host_collectives(hw.device_type)
     gathers = traffic.gathers_per_chunk(step.trace.pins, step.trace.module_params, chunks, c.rcache_blocks,
-                                        c.prefetch_depth, W, frozenset(range(n - c.n_param_cpu, n)))
+                                        c.prefetch_depth, W, places.param_cpu, frozen)
     wire = traffic.plan_traffic(result, sizes, gathers, hw.device_type, host=host)
     result.predictions.update(traffic.predictions(wire, gathers, host))
     return result
@@ -475,7 +558,8 @@ def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: Hardwar
     out = []
     for alt in chosen.alternatives:
         sig = (alt["chunk_size"], alt["activation_checkpointing"], alt["rcache_blocks"],
-               alt["prefetch_depth"], alt["optim_offload_chunks"], alt["param_offload_chunks"])
+               alt["prefetch_depth"], alt["optim_offload_chunks"], alt["param_offload_chunks"],
+               alt.get("frozen_offload_chunks", 0))
         c = keyed[sig]
         p = materialize(c, packings[c.chunk_size], profile, hw, W, dtype, optimizer,
                         chosen.predictions.get("budget_bytes", c.peak))
@@ -485,7 +569,8 @@ def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: Hardwar
 
 
 def _signature(c: Candidate) -> tuple:
-    return (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu)
+    return (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu,
+            c.n_frozen_cpu)
 
 
 def _resolve_hardware(hardware, world_size) -> HardwareProfile:
@@ -507,15 +592,21 @@ HOST_USABLE = 0.9  # share of the node's CPU memory offloaded state may take (th
 
 
 def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
+    """Host bytes one rank's offloaded state takes at most (every chunk counted full size):
+    master, optimizer state and gradient shard per offloaded optimizer, the compute-dtype
+    shard per offloaded trainable or frozen chunk."""
     shard = c.chunk_size // W
     per = 4 + cost.OPTIMIZER_STATE_BYTES[optimizer] + 4
-    return c.n_optim_cpu * shard * per + c.n_param_cpu * shard * cost.DTYPE_BYTES[dtype]
+    return (c.n_optim_cpu * shard * per
+            + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype])
 
 
 def _config_label(c: Candidate) -> str:
+    frozen = f", frozen offload {c.n_frozen_cpu}/{c.n_frozen}" if c.n_frozen else ""
     return (f"chunk {c.chunk_size / 1e6:.2f}M x{c.n_chunks}, rCache {c.rcache_blocks}, "
             f"ckpt {'on' if c.checkpointing else 'off'}, prefetch {c.prefetch_depth}, "
-            f"optim offload {c.n_optim_cpu}/{c.n_chunks}, param offload {c.n_param_cpu}/{c.n_chunks}")
+            f"optim offload {c.n_optim_cpu}/{c.n_trainable}, param offload {c.n_param_cpu}/{c.n_trainable}"
+            f"{frozen}")
 
 
 def _alternatives(best: Candidate, cands: list[Candidate], path: list[Candidate], budget: float,
@@ -543,6 +634,7 @@ def _alternatives(best: Candidate, cands: list[Candidate], path: list[Candidate]
     for pred, why in (
         (lambda c: c.checkpointing != best.checkpointing and c.peak <= budget, "slower"),
         (lambda c: (c.n_optim_cpu > 0) != (best.n_optim_cpu > 0) and c.peak <= budget, "slower"),
+        (lambda c: (c.n_frozen_cpu > 0) != (best.n_frozen_cpu > 0) and c.peak <= budget, "slower"),
         (lambda c: c.rcache_blocks != best.rcache_blocks and c.peak <= budget, "slower"),
         (lambda c: c.chunk_size != best.chunk_size and c.peak <= budget, "slower"),
     ):
@@ -572,8 +664,9 @@ def _infeasible(profile: ModelProfile, model, example_batch, cands: list[Candida
                  f"(at sequence length {profile.seq_len})" if max_batch >= 1 else
                  f"even batch size 1 does not fit {format_bytes(budget)} at sequence length "
                  f"{profile.seq_len}")
+    frozen = f" + {profile.n_frozen_params / 1e6:.1f}M frozen" if profile.n_frozen_params else ""
     err = PlanError(
-        f"no plan fits: {profile.model_name} ({profile.n_params / 1e6:.1f}M trainable parameters, "
+        f"no plan fits: {profile.model_name} ({profile.n_params / 1e6:.1f}M trainable{frozen} parameters, "
         f"{dtype}, {optimizer}, batch {profile.batch_size} x {profile.seq_len} per device, "
         f"world size {W}) needs at least {format_bytes(smallest.peak)} per device "
         f"(smallest plan: {_config_label(smallest)}), but the budget is {format_bytes(budget)}. "

@@ -6,21 +6,30 @@ from typing import Any
 
 from hf_elixir.hardware import format_bytes
 
-_MEM_ORDER = ("parameters", "master_weights", "optimizer_state", "gradients", "rcache",
-              "activations", "frozen_and_buffers", "margin")
+_MEM_ORDER = ("parameters", "frozen_shards", "master_weights", "optimizer_state", "gradients", "rcache",
+              "activations", "buffers", "frozen_and_buffers", "margin")
 
 
-def _row(label: str, d: dict[str, Any]) -> list[str]:
+def _row(label: str, d: dict[str, Any], frozen: bool) -> list[str]:
+    """One table row; ``frozen``: the plan has frozen chunks, so the frozen columns are shown
+    (trainable offload counts are then out of the trainable chunks)."""
     t = d.get("time", {})
     n = d.get("n_chunks") or 1
-    return [
+    nf = d.get("frozen_chunks", 0)
+    nt = max(1, n - nf)
+    row = [
         label,
         f"{d['chunk_size'] / 1e6:.2f}M x{n}",
         str(d["rcache_blocks"]),
         "on" if d["activation_checkpointing"] else "off",
         str(d["prefetch_depth"]),
-        f"{d['optim_offload_chunks']}/{n}",
-        f"{d['param_offload_chunks']}/{n}",
+        f"{d['optim_offload_chunks']}/{nt}",
+        f"{d['param_offload_chunks']}/{nt}",
+    ]
+    if frozen:
+        row += [f"{d.get('frozen_offload_chunks', 0)}/{nf}",
+                format_bytes(d.get("memory", {}).get("frozen_shards", 0))]
+    return row + [
         format_bytes(d["peak_bytes"]),
         f"{d['step_time_s'] * 1e3:.1f} ms",
         f"{t.get('compute', 0) * 1e3:.1f}/{t.get('exposed_communication', 0) * 1e3:.1f}/"
@@ -39,8 +48,10 @@ def chosen_as_dict(plan) -> dict[str, Any]:
         "chunk_size": plan.chunk_size, "n_chunks": plan.n_chunks,
         "rcache_blocks": plan.rcache_blocks, "activation_checkpointing": plan.activation_checkpointing,
         "prefetch_depth": plan.prefetch_depth,
-        "optim_offload_chunks": sum(c.optim_placement == "cpu" for c in plan.chunks),
-        "param_offload_chunks": sum(c.param_placement == "cpu" for c in plan.chunks),
+        "optim_offload_chunks": sum(c.optim_placement == "cpu" and not c.frozen for c in plan.chunks),
+        "param_offload_chunks": sum(c.param_placement == "cpu" and not c.frozen for c in plan.chunks),
+        "frozen_chunks": sum(c.frozen for c in plan.chunks),
+        "frozen_offload_chunks": sum(c.param_placement == "cpu" and c.frozen for c in plan.chunks),
         "peak_bytes": p.get("peak_bytes", 0), "step_time_s": p.get("step_time_s", 0.0),
         "memory": p.get("memory", {}), "time": p.get("time", {}), "reason": CHOICE_RULE,
     }
@@ -52,9 +63,14 @@ def summary(plan) -> str:
     lines: list[str] = []
     head = f"Elixir plan for {p.get('model', 'model')}" if p else "Elixir plan"
     lines.append(head)
+    frozen = bool(plan.frozen_chunks)
+    per = _per(plan)
     if p:
+        n_frozen = p.get("frozen", {}).get("params", 0)
         lines.append(
-            f"  {p.get('n_params', 0) / 1e6:.1f}M trainable parameters, {plan.compute_dtype}, "
+            f"  {p.get('n_params', 0) / 1e6:.1f}M trainable"
+            + (f" + {n_frozen / 1e6:.1f}M frozen" if n_frozen else "")
+            + f" parameters, {plan.compute_dtype}, "
             f"{p.get('optimizer', '?')}, batch {p.get('batch_size')} x {p.get('seq_len')} per device, "
             f"world size {plan.world_size} on {p.get('hardware')}"
         )
@@ -67,7 +83,7 @@ def summary(plan) -> str:
         if eff:
             lines.append(f"  compute priced at {_efficiency_source(eff)}")
         lines.append("")
-        lines.append("  memory per device:")
+        lines.append(f"  memory per device (one {per}):")
         mem = p.get("memory", {})
         for k in _MEM_ORDER:
             if k in mem:
@@ -76,13 +92,14 @@ def summary(plan) -> str:
         for k, v in p.get("time", {}).items():
             lines.append(f"    {k:<22} {v * 1e3:>10.2f} ms")
         lines.append("")
-    header = ["", "chunks", "rCache", "ckpt", "prefetch", "optim off", "param off", "peak",
+    header = ["", "chunks", "rCache", "ckpt", "prefetch", "optim off", "param off",
+              *(["frozen off", f"frozen/{per}"] if frozen else []), f"peak/{per}",
               "step", "comp/comm/opt/cpu ms", "why"]
     rows = [header]
     if p:
-        rows.append(_row("chosen", chosen_as_dict(plan)))
+        rows.append(_row("chosen", chosen_as_dict(plan), frozen))
     for i, a in enumerate(plan.alternatives):
-        rows.append(_row(f"alt {i + 1}", a))
+        rows.append(_row(f"alt {i + 1}", a, frozen))
     if len(rows) > 1:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for r in rows:
@@ -108,9 +125,47 @@ def _efficiency_source(eff: dict[str, Any]) -> str:
     return f"{used} (calibrated for the model's width)"
 
 
+def _per(plan) -> str:
+    """What one rank runs on, for labels: a GPU, or a rank of a CPU machine."""
+    return "GPU" if plan.predictions.get("device_type", "cuda") == "cuda" else "rank"
+
+
+def frozen_notes(plan) -> list[str]:
+    """The frozen weights: how large they are, what each rank holds of them, and whether
+    holding them whole on every rank (as DDP does, or FSDP1/ZeRO without frozen sharding)
+    would have fitted the budget."""
+    p = plan.predictions
+    info = p.get("frozen") or {}
+    if not plan.frozen_chunks or not info.get("bytes"):
+        return []
+    per = _per(plan)
+    whole, shards = info["bytes"], info["shard_bytes_per_rank"]
+    on_device = p.get("memory", {}).get("frozen_shards", 0)
+    out = [f"  frozen weights: {info['params'] / 1e6:.1f}M parameters, {format_bytes(whole)} "
+           f"({whole / 1e9:.1f} GB) in {plan.compute_dtype}, in {info['chunks']} frozen chunks; "
+           f"sharded over {plan.world_size} ranks: {format_bytes(shards)} per {per}"
+           + (f", {info['offloaded_chunks']} chunks of them in CPU memory ({format_bytes(on_device)} on the {per})"
+              if info.get("offloaded_chunks") else "")]
+    budget = p.get("budget_bytes")
+    if budget:
+        margin = p.get("margin", {}).get("allocator_fraction", 0.0)
+        replicated = p["peak_bytes"] + (whole - on_device) * (1 + margin)
+        if whole > budget:
+            verdict = (f"would not have fitted on one {per}: the base alone exceeds the "
+                       f"{format_bytes(budget)} per {per}")
+        elif replicated > budget:
+            verdict = (f"would not have fitted: about {format_bytes(replicated)} per {per}, over the "
+                       f"{format_bytes(budget)} budget")
+        else:
+            verdict = f"would fit too (about {format_bytes(replicated)} per {per})"
+        out.append(f"  replicated on every {per} instead ({whole / 1e9:.1f} GB each), the frozen base {verdict}")
+    return out
+
+
 def _notes(plan) -> list[str]:
-    """What departs from the uniform picture above: oversized chunks, borrowed reads."""
-    out: list[str] = []
+    """What departs from the uniform picture above: frozen weights, oversized chunks,
+    borrowed reads."""
+    out: list[str] = frozen_notes(plan)
     if plan.min_rcache_blocks:
         out.append(f"  rCache minimum for this model and packing: {plan.min_rcache_blocks} blocks")
     for i, c in enumerate(plan.chunks):

@@ -108,21 +108,24 @@ class CommCounter:
 # ---------------------------------------------------------------------- gathers per step
 def gathers_per_chunk(pins: Sequence[tuple[str, str]], module_params: Mapping[str, Sequence[str]],
                       chunks: Sequence[Sequence[str]], rcache_blocks: int, prefetch_depth: int,
-                      world_size: int, param_cpu: frozenset[int] = frozenset()) -> list[int]:
+                      world_size: int, param_cpu: frozenset[int] = frozenset(),
+                      frozen: frozenset[int] = frozenset()) -> list[int]:
     """Per chunk, the gathers one steady-state training step starts: the runtime's fetching
     replayed over the traced pin sequence (``Trace.pins``; ``hf_elixir.plan.fetches``),
     the gathers the step's optimizer step starts for the next one included. With a block
-    for every chunk, each chunk the pass uses is gathered exactly once."""
+    for every chunk, each trainable chunk the pass uses is gathered exactly once, and a
+    ``frozen`` one not at all (it stays gathered from one step to the next)."""
     chunk_of = {name: i for i, params in enumerate(chunks) for name in params}
     requests = fetches.fetch_ops(pins, module_params, chunk_of, len(chunks))
-    return fetches.replay(requests, rcache_blocks, prefetch_depth, world_size, param_cpu).gathers
+    return fetches.replay(requests, rcache_blocks, prefetch_depth, world_size, param_cpu, frozen).gathers
 
 
 # ---------------------------------------------------------------------- predicted bytes
 def step_traffic(chunk_numels: Sequence[int], itemsize: int, gathers: Sequence[int], world_size: int, *,
                  device_type: str, n_params: int, param_cpu: Sequence[bool], optim_cpu: Sequence[bool],
                  host: Optional[bool] = None, norm_type: Optional[float] = 2.0,
-                 loss_scaling: bool = False, micro_batches: int = 1) -> CommCounter:
+                 loss_scaling: bool = False, micro_batches: int = 1,
+                 frozen: Optional[Sequence[bool]] = None) -> CommCounter:
     """The bytes one rank receives in one training step, by kind (the runtime's counter
     over the same step reads exactly this).
 
@@ -132,13 +135,15 @@ def step_traffic(chunk_numels: Sequence[int], itemsize: int, gathers: Sequence[i
         itemsize: bytes per element of the compute dtype.
         gathers: per chunk, gathers per step (``gathers_per_chunk``).
         device_type: the compute device ("cuda" or "cpu"): only CUDA stages host copies.
-        n_params: trainable parameters (one flag byte each in the "which got a gradient"
-            all-reduce of every step).
+        n_params: chunked parameters, frozen ones included (one flag byte each in the "which
+            got a gradient" all-reduce of every step: the runtime keeps one per slot).
         param_cpu, optim_cpu: per chunk, whether its parameter shard / optimizer lives on the CPU.
         host: the gloo strategy (default: ``host_collectives(device_type)``).
         norm_type: gradient clipping's norm (None: the step does not clip).
         loss_scaling: fp16: one overflow-flag all-reduce per step.
         micro_batches: backward passes per optimizer step (each reduces every chunk once).
+        frozen: per chunk, whether it is frozen: gathered (and uploaded when offloaded) like
+            any chunk, never reduced, never staged for a host optimizer.
 
     Per backward pass every chunk's gradient is reduced once (a reduce-scatter; an all-reduce
     on gloo) and the ranks agree on late chunks (one all-reduce of a byte per chunk). Per
@@ -161,6 +166,8 @@ def step_traffic(chunk_numels: Sequence[int], itemsize: int, gathers: Sequence[i
                 out.collective("all_gather", full, W)
             if cuda and param_cpu[c]:
                 out.add("host_to_device", shard)
+        if frozen is not None and frozen[c]:
+            continue
         for _ in range(micro_batches):
             if W > 1:
                 staged = cuda and optim_cpu[c]  # reduced on the device with the tensor collective
@@ -187,7 +194,7 @@ def plan_traffic(plan, param_numels: Mapping[str, int], gathers: Sequence[int], 
                  micro_batches: int = 1) -> CommCounter:
     """``step_traffic`` for an ``ElixirPlan``: chunk sizes laid out as the runtime lays them
     out (``chunk_layout``), placements and dtype from the plan; ``param_numels`` gives each
-    trainable parameter's element count, ``gathers`` the gathers per chunk per step."""
+    chunked parameter's element count, ``gathers`` the gathers per chunk per step."""
     from hf_elixir.plan.plan import chunk_layout
 
     itemsize = plan.dtype.itemsize
@@ -197,9 +204,9 @@ def plan_traffic(plan, param_numels: Mapping[str, int], gathers: Sequence[int], 
         numels, itemsize, gathers, plan.world_size, device_type=device_type,
         n_params=sum(len(c.params) for c in plan.chunks),
         param_cpu=[c.param_placement == "cpu" for c in plan.chunks],
-        optim_cpu=[c.optim_placement == "cpu" for c in plan.chunks],
+        optim_cpu=[c.optim_placement == "cpu" and not c.frozen for c in plan.chunks],
         host=host, norm_type=norm_type, loss_scaling=plan.compute_dtype == "float16",
-        micro_batches=micro_batches,
+        micro_batches=micro_batches, frozen=[c.frozen for c in plan.chunks],
     )
 
 
@@ -211,7 +218,8 @@ def traced_gathers(plan, model, example_batch) -> list[int]:
     needs = trace_fetch_needs(model, example_batch, plan.fetch_units, plan.activation_checkpointing)
     on_host = frozenset(i for i, c in enumerate(plan.chunks) if c.param_placement == "cpu")
     return gathers_per_chunk(needs.pins, needs.module_params, [c.params for c in plan.chunks],
-                             plan.rcache_blocks, plan.prefetch_depth, plan.world_size, on_host)
+                             plan.rcache_blocks, plan.prefetch_depth, plan.world_size, on_host,
+                             frozenset(plan.frozen_chunks))
 
 
 def predictions(counter: CommCounter, gathers: Sequence[int], host: bool) -> dict:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_elixir.plan.plan import canonical_dtype, detect_fetch_units
+from hf_elixir.plan.plan import DTYPE_BYTES, canonical_dtype, chunked_parameters, detect_fetch_units
 from hf_elixir.profile.memory import LiveStorageTracker, StepMemory, run_step
 from hf_elixir.profile.trace import (
     EventWork,
@@ -28,9 +28,13 @@ from hf_elixir.profile.trace import (
 
 @dataclass
 class ParamInfo:
+    """One chunked parameter. ``frozen``: it needs no gradient, so it goes to a frozen chunk
+    (compute-dtype shards only: no master, gradient or optimizer state)."""
+
     name: str
     numel: int
     shape: tuple[int, ...]
+    frozen: bool = False
 
 
 @dataclass
@@ -46,14 +50,16 @@ class ModelProfile:
     """What the planner knows about a model and a batch shape.
 
     Attributes:
-        params: trainable parameters (tied ones once), in ``named_parameters`` order.
+        params: every chunked parameter (``plan.chunked_parameters``: floating-point, tied
+            ones once), in ``named_parameters`` order; frozen ones (``requires_grad=False``)
+            are flagged, since the runtime packs them into frozen chunks that it shards like
+            the rest but holds no training state for.
         tied: groups of names that are one parameter.
-        frozen_bytes: bytes of parameters that do not need gradients (kept whole on the
-            device by the runtime, in the compute dtype).
-        buffer_bytes: bytes of buffers (kept whole on the device).
+        buffer_bytes: bytes every rank holds whole: buffers, and parameters that are not
+            floating-point (quantised storage is never chunked).
         fetch_units: modules fetched as one unit (mixture-of-experts blocks).
-        borrowed: module -> trainable parameters its forward reads without owning them
-            (fetched for it too; see ``find_borrowed_reads``).
+        borrowed: module -> parameters its forward reads without owning them (fetched for
+            it too; see ``find_borrowed_reads``).
         plain: the step without activation checkpointing.
         checkpointed: the step with activation checkpointing, or None when the model does not
             support it.
@@ -65,7 +71,6 @@ class ModelProfile:
 
     params: list[ParamInfo]
     tied: list[list[str]]
-    frozen_bytes: int
     buffer_bytes: int
     fetch_units: list[str]
     plain: PassProfile
@@ -80,15 +85,45 @@ class ModelProfile:
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def trainable(self) -> list[ParamInfo]:
+        return [p for p in self.params if not p.frozen]
+
+    @property
+    def frozen(self) -> list[ParamInfo]:
+        return [p for p in self.params if p.frozen]
+
+    @property
     def n_params(self) -> int:
-        return sum(p.numel for p in self.params)
+        """Trainable parameters (elements)."""
+        return sum(p.numel for p in self.trainable)
+
+    @property
+    def n_frozen_params(self) -> int:
+        """Frozen parameters (elements): a PEFT base, frozen layers or embeddings."""
+        return sum(p.numel for p in self.frozen)
+
+    @property
+    def frozen_bytes(self) -> int:
+        """Bytes of the frozen parameters in the compute dtype: what one rank would hold if
+        they were replicated, and what the ranks' frozen shards add up to (less padding)."""
+        return self.n_frozen_params * DTYPE_BYTES[self.dtype]
 
     @property
     def hidden_size(self) -> int | None:
         """The model's width, read from its weights rather than its config (whose field names
         vary): the most common smaller side of its trainable matrices, since every projection
-        of a transformer block has the hidden size on one side. None without matrices."""
-        sides = Counter(min(p.shape) for p in self.params if len(p.shape) == 2)
+        of a transformer block has the hidden size on one side. None without matrices.
+
+        With frozen parameters the smaller side shared by most matrix *elements*, frozen ones
+        included, is taken instead: LoRA adapters (rank x width, two per adapted projection)
+        outnumber the base's matrices and would pass the rank off as the width, while the
+        base's matmuls are most of the compute. (Full fine-tunes keep the count, so their
+        plans are what they were.)"""
+        sides: Counter[int] = Counter()
+        weighted = bool(self.frozen)
+        for p in self.params if weighted else self.trainable:
+            if len(p.shape) == 2:
+                sides[min(p.shape)] += p.numel if weighted else 1
         if not sides:
             return None
         return max(sides.items(), key=lambda kv: (kv[1], kv[0]))[0]
@@ -109,13 +144,15 @@ class ModelProfile:
         return self.step(checkpointing).memory.peak
 
     def param_order(self) -> list[str]:
-        """Trainable parameters in forward first-use order (the packing order)."""
+        """Chunked parameters, trainable and frozen, in forward first-use order (the packing
+        order of each kind)."""
         return self.plain.trace.first_use_order(p.name for p in self.params)
 
     def summary(self) -> str:
         gib = 2**30
+        frozen = f" + {self.n_frozen_params / 1e6:.1f}M frozen" if self.n_frozen_params else ""
         lines = [
-            f"model {self.model_name}: {self.n_params / 1e6:.1f}M trainable parameters, "
+            f"model {self.model_name}: {self.n_params / 1e6:.1f}M trainable{frozen} parameters, "
             f"batch {self.batch_size} x {self.seq_len}, {self.dtype}",
             f"  activations+temporaries peak: {self.plain.memory.peak / gib:.3f} GiB without "
             "checkpointing"
@@ -210,10 +247,11 @@ def profile_model(
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
     batch = make_batch(example_batch, vocab, device="meta")
     bsz, seq = batch_shape(batch)
-    named = [(n, p) for n, p in meta.named_parameters() if p.requires_grad]
-    params = [ParamInfo(n, p.numel(), tuple(p.shape)) for n, p in named]
-    frozen = sum(p.numel() * p.element_size() for p in meta.parameters() if not p.requires_grad)
-    buffers = sum(b.numel() * b.element_size() for b in meta.buffers())
+    named = chunked_parameters(meta)
+    params = [ParamInfo(n, p.numel(), tuple(p.shape), frozen=not p.requires_grad) for n, p in named]
+    chunked = {id(p) for _, p in named}
+    whole = sum(p.numel() * p.element_size() for p in meta.parameters() if id(p) not in chunked)
+    buffers = whole + sum(b.numel() * b.element_size() for b in meta.buffers())
 
     borrowed = find_borrowed_reads(meta, batch, fetch_units)
     plain = ckpt = None
@@ -235,7 +273,6 @@ def profile_model(
     return ModelProfile(
         params=params,
         tied=tied_parameters(meta),
-        frozen_bytes=frozen,
         buffer_bytes=buffers,
         fetch_units=fetch_units,
         plain=plain,
