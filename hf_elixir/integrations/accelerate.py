@@ -12,8 +12,10 @@ Without a plugin (and without ``ACCELERATE_USE_ELIXIR=true``) it is a plain Acce
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -26,6 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hf_elixir import checkpoint
+from hf_elixir.integrations.lazy import LazyElixirModule, NotShardedYetError
 from hf_elixir.integrations.planning import (
     batch_shape_from_loader, compute_dtype, make_plan, optimizer_kind,
 )
@@ -46,10 +49,25 @@ class ElixirAcceleratedOptimizer(AcceleratedOptimizer):
     on sync steps); state is never moved (it is sharded already) and Accelerate's GradScaler is
     not used: the ElixirOptimizer scales fp16 losses itself and skips overflowing steps on
     every rank, which ``step_was_skipped`` reports to the LR scheduler and the Trainer.
+
+    The optimizer of a model that is sharded on its first forward (``LazyElixirModule``)
+    starts as the user's own optimizer (``elixir`` is None): its ``param_groups`` are the
+    dicts LR schedulers drive, before and after, and ``shard`` swaps in the ElixirOptimizer
+    over those same groups once the model is sharded, before its first backward.
     """
 
-    def __init__(self, optimizer: ElixirOptimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, module: ElixirModule) -> None:
         super().__init__(optimizer, device_placement=False, scaler=None)
+        self.elixir_module = module
+
+    @property
+    def elixir(self) -> Optional[ElixirOptimizer]:
+        """The ElixirOptimizer; None while the model waits for its first forward."""
+        return self.optimizer if isinstance(self.optimizer, ElixirOptimizer) else None
+
+    def shard(self) -> None:
+        if self.elixir is None:
+            self.optimizer = ElixirOptimizer(self.elixir_module, self.optimizer)
 
     def step(self, closure=None):
         before = getattr(self.optimizer, "skipped_steps", 0)
@@ -77,8 +95,10 @@ class ElixirAccelerator(Accelerator):
         self.state.elixir_plugin = elixir_plugin
         self._elixir_modules: list[ElixirModule] = []  # survives free_memory(): the Trainer re-prepares
         self._elixir_batch_shape: Optional[tuple[int, int]] = None
+        self._elixir_pending_loads: list[str] = []  # load_state before a lazy model was sharded
         if elixir_plugin is not None:
             self.scaler = None  # the ElixirOptimizer scales fp16 losses itself
+            _finish_process_groups_at_exit()
 
     @property
     def is_elixir(self) -> bool:
@@ -144,14 +164,23 @@ class ElixirAccelerator(Accelerator):
             if existing not in self._models:
                 self._models.append(existing)
             return existing
-        plan = make_plan(
-            model,
-            self.elixir_plugin,
-            world_size=self.num_processes,
-            dtype=compute_dtype(self.mixed_precision),
-            optimizer=optimizer_kind(optimizer),
-            batch_shape=self._planning_shape(),
-        )
+        dtype, kind, shape = compute_dtype(self.mixed_precision), optimizer_kind(optimizer), self._planning_shape()
+        plugin = self.elixir_plugin
+        if shape is None and plugin.plan == "auto" and not plugin.pinned:
+            # No batch shape yet (no loader with this prepare, or one that cannot tell it
+            # without being drawn from): plan on the first forward, from its real inputs.
+            lazy = LazyElixirModule(
+                model, lambda first: self._plan_for_first_forward(model, first, dtype),
+                device=self.device, on_shard=self._on_lazy_shard)
+            self._elixir_modules.append(lazy)
+            self._models.append(lazy)
+            if self.is_main_process:
+                print(f"hf_elixir is active on {self.num_processes} process(es) "
+                      f"({self.distributed_type.value}); no training batch shape was known at prepare, "
+                      "so the model is planned and sharded on its first forward", flush=True)
+            return lazy
+        plan = make_plan(model, plugin, world_size=self.num_processes, dtype=dtype, optimizer=kind,
+                         batch_shape=shape)
         emodel = ElixirModule(model, plan, device=self.device)
         self._elixir_modules.append(emodel)
         self._models.append(emodel)
@@ -159,6 +188,33 @@ class ElixirAccelerator(Accelerator):
             print(f"hf_elixir is active on {self.num_processes} process(es) "
                   f"({self.distributed_type.value}):\n{plan.summary()}", flush=True)
         return emodel
+
+    def _plan_for_first_forward(self, model: nn.Module, shape: tuple[int, int], dtype: str):
+        """The plan of a lazily sharded model, for the shape of its first forward (the
+        optimizer prepared beside it, if any, names the optimizer the plan prices)."""
+        emodel = self._find_module(model)
+        pending = [o.optimizer for o in self._optimizers
+                   if isinstance(o, ElixirAcceleratedOptimizer) and o.elixir_module is emodel]
+        p = self.elixir_plugin
+        shape = (p.batch_size or shape[0], p.seq_len or shape[1])  # a pinned half of the shape wins
+        self._elixir_batch_shape = shape
+        return make_plan(model, self.elixir_plugin, world_size=self.num_processes, dtype=dtype,
+                         optimizer=optimizer_kind(pending[0] if pending else None), batch_shape=shape)
+
+    def _on_lazy_shard(self, emodel: "LazyElixirModule") -> None:
+        """The model was just sharded (inside its first forward): give its optimizers their
+        sharded state and apply a ``load_state`` that waited for it."""
+        for opt in self._optimizers:
+            if isinstance(opt, ElixirAcceleratedOptimizer) and opt.elixir_module is emodel:
+                opt.shard()
+        if self.is_main_process:
+            print(f"hf_elixir sharded the model on its first forward (batch {emodel.plan.predictions.get('batch_size', '?')}"
+                  f" x sequence {emodel.plan.predictions.get('seq_len', '?')}):\n{emodel.plan.summary()}", flush=True)
+        loads, self._elixir_pending_loads = self._elixir_pending_loads, []
+        for directory in loads:
+            for i, (module, opt) in enumerate(self._elixir_pairs()):
+                if module is emodel:
+                    checkpoint.load(module, opt, _elixir_state_dir(directory, i))
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if not self.is_elixir:
@@ -176,7 +232,8 @@ class ElixirAccelerator(Accelerator):
                 "the model before or together with its optimizer, and build the optimizer over "
                 "model.parameters()"
             )
-        wrapped = ElixirAcceleratedOptimizer(ElixirOptimizer(owner, optimizer))
+        sharded = not isinstance(owner, LazyElixirModule) or owner.sharded
+        wrapped = ElixirAcceleratedOptimizer(ElixirOptimizer(owner, optimizer) if sharded else optimizer, owner)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -202,10 +259,7 @@ class ElixirAccelerator(Accelerator):
         p = self.elixir_plugin
         if p.batch_size is not None or p.seq_len is not None:
             if shape is None and (p.batch_size is None or p.seq_len is None):
-                raise ElixirConfigError(
-                    "set both batch_size and seq_len elixir options (no training DataLoader was "
-                    "prepared before the model to take the other from)"
-                )
+                return None  # the other comes from the first forward (LazyElixirModule)
             shape = (p.batch_size or shape[0], p.seq_len or shape[1])
         return shape
 
@@ -218,8 +272,8 @@ class ElixirAccelerator(Accelerator):
     def _elixir_pairs(self) -> list[tuple[ElixirModule, Optional[ElixirOptimizer]]]:
         pairs = []
         for emodel in self._elixir_modules:
-            opt = next((o.optimizer for o in self._optimizers
-                        if isinstance(o, ElixirAcceleratedOptimizer) and o.optimizer.module is emodel), None)
+            opt = next((o.elixir for o in self._optimizers
+                        if isinstance(o, ElixirAcceleratedOptimizer) and o.elixir_module is emodel), None)
             pairs.append((emodel, opt))
         return pairs
 
@@ -305,6 +359,13 @@ class ElixirAccelerator(Accelerator):
         sharded checkpoint of each elixir model and optimizer in ``elixir_state/``."""
         if not self.is_elixir:
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        waiting = [m for m in self._elixir_modules if isinstance(m, LazyElixirModule) and not m.sharded]
+        if waiting:
+            raise NotShardedYetError(
+                "save_state was called before the model's first forward: no training batch shape "
+                "was known at prepare, so hf_elixir shards the model (and builds its optimizer state) "
+                "on its first forward, and there is no sharded state to save yet. Save after a "
+                "training step, or set the batch_size and seq_len elixir options to shard at prepare")
         with self._without_elixir_objects():
             location = super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         for i, (emodel, opt) in enumerate(self._elixir_pairs()):
@@ -327,7 +388,11 @@ class ElixirAccelerator(Accelerator):
                     "was it saved by ElixirAccelerator.save_state?"
                 )
         for i, (emodel, opt) in enumerate(pairs):
-            checkpoint.load(emodel, opt, _elixir_state_dir(input_dir, i))
+            if isinstance(emodel, LazyElixirModule) and not emodel.sharded:
+                # the state is resharded to the plan, which the first forward makes
+                self._elixir_pending_loads.append(input_dir)
+            else:
+                checkpoint.load(emodel, opt, _elixir_state_dir(input_dir, i))
         with self._without_elixir_objects():
             return super().load_state(input_dir, load_kwargs=load_kwargs, **kwargs)
 
@@ -371,6 +436,49 @@ def _latest_checkpoint(folder: str) -> Optional[str]:
         return None
     numbered = [(int(m.group(1)), f) for f in os.listdir(folder) if (m := re.search(r"(\d+)$", f))]
     return os.path.join(folder, max(numbered)[1]) if numbered else None
+
+
+_exit_handler = {"installed": False, "uncaught": False}
+
+
+def _finish_process_groups_at_exit() -> None:
+    """Destroy the process groups at exit when the script did not, as the last step of a
+    run that ended normally.
+
+    A process that reaches interpreter shutdown with gloo groups alive can abort there
+    ("terminate called without an active exception", or SIGABRT): the groups' worker threads
+    still hold finished work whose tensors are released while the interpreter is being torn
+    down (pytorch/pytorch#190489, #179291). Ordinary scripts and the Trainer never call
+    ``destroy_process_group()``. This handler runs after the runtime's own exit handlers
+    have waited for the gathers the last optimizer step prefetched (they are registered
+    later, so they run first), and destroys the default group and with it every group
+    made from it, while the interpreter is still whole.
+
+    It does nothing after an uncaught exception: a failing rank must exit at once, so the
+    launcher can stop the others, rather than wait on peers that are still training.
+    """
+    if _exit_handler["installed"]:
+        return
+    _exit_handler["installed"] = True
+    previous = sys.excepthook
+
+    def note_uncaught(kind, value, tb):
+        _exit_handler["uncaught"] = True
+        previous(kind, value, tb)
+
+    sys.excepthook = note_uncaught
+    atexit.register(_destroy_process_groups)
+
+
+def _destroy_process_groups() -> None:
+    import torch.distributed as dist
+
+    if _exit_handler["uncaught"] or not (dist.is_available() and dist.is_initialized()):
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as e:  # exit goes on; say why the groups were left to the interpreter
+        print(f"hf_elixir: could not destroy the process groups at exit: {e}", file=sys.stderr, flush=True)
 
 
 def _refuse_other_sharding(kwargs: dict) -> None:

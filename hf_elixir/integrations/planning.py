@@ -7,7 +7,8 @@ of the first training batch. Everything here only reads the model.
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -85,9 +86,9 @@ def make_plan(
         return plan
     if batch_shape is None:
         raise ElixirConfigError(
-            "hf_elixir plans from the first batch of the training data loader, and none was "
-            "prepared before the model: pass the DataLoader to accelerator.prepare() together with "
-            "(or before) the model, or set the batch_size and seq_len elixir options"
+            "hf_elixir's planner needs the (batch size, sequence length) of a training batch and "
+            "was given none; set the batch_size and seq_len elixir options, or pin the plan "
+            "(chunk_size_mb, rcache_blocks, offload) or give a plan file"
         )
     from hf_elixir.plan.search import plan as search
 
@@ -108,10 +109,13 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 
 def batch_shape_from_loader(loader) -> Optional[tuple[int, int]]:
-    """(per-device batch size, sequence length) of a DataLoader's first batch.
+    """(per-device batch size, sequence length) of a DataLoader's first batch, or None when
+    it cannot be told without drawing from the loader (an iterable dataset, a batch sampler
+    of varying sizes, a batch with no 2-D token tensor).
 
     The batch is collated from the first dataset items, not drawn from the loader, so the
-    sampler's random state (and so the data order of the run) is untouched.
+    sampler's random state (and so the data order of the run) is untouched. None is not an
+    error: the model is then planned on its first forward, from the real inputs.
     """
     dataset = getattr(loader, "dataset", None)
     batch_size = getattr(loader, "batch_size", None)
@@ -123,11 +127,43 @@ def batch_shape_from_loader(loader) -> Optional[tuple[int, int]]:
         n = min(int(batch_size), len(dataset))
         items = [dataset[i] for i in range(n)]
         batch = loader.collate_fn(items) if loader.collate_fn is not None else items
-    except Exception:  # an iterable or unusual dataset: the plugin's shape must say
+    except Exception:  # an iterable or unusual dataset: plan on the first forward instead
         return None
-    ids = batch.get("input_ids") if isinstance(batch, dict) else None
-    if ids is None and isinstance(batch, (list, tuple)) and batch and torch.is_tensor(batch[0]):
-        ids = batch[0]
-    if not torch.is_tensor(ids) or ids.dim() != 2:
+    ids = token_tensor(batch)
+    if ids is None:
         return None
     return int(batch_size), int(ids.shape[1])
+
+
+def token_tensor(batch: Any) -> Optional[torch.Tensor]:
+    """The 2-D integer (batch, sequence) tensor of a collated batch, whatever its structure:
+    the batch itself (``DataLoader(tensor)``), the first such tensor of a tuple or list
+    (``TensorDataset``, ``(x, y)``), or of a mapping (``input_ids`` first, then any key:
+    ``BatchEncoding``, custom dicts). None when there is none."""
+    if _is_tokens(batch):
+        return batch
+    if isinstance(batch, Mapping):
+        values = ([batch["input_ids"]] if "input_ids" in batch else []) + list(batch.values())
+    elif isinstance(batch, (list, tuple)):
+        values = list(batch)
+    else:
+        return None
+    return next((v for v in values if _is_tokens(v)), None)
+
+
+def _is_tokens(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() == 2 and not value.is_floating_point() and not value.is_complex()
+
+
+def batch_shape_from_inputs(args: tuple, kwargs: dict) -> Optional[tuple[int, int]]:
+    """(batch size, sequence length) of one forward call's inputs: ``input_ids``, else
+    ``inputs_embeds`` (batch, sequence, hidden), else the first 2-D integer tensor among the
+    arguments. None when the call has none of them."""
+    ids = kwargs.get("input_ids")
+    if _is_tokens(ids):
+        return int(ids.shape[0]), int(ids.shape[1])
+    embeds = kwargs.get("inputs_embeds")
+    if torch.is_tensor(embeds) and embeds.dim() == 3:
+        return int(embeds.shape[0]), int(embeds.shape[1])
+    found = token_tensor(list(args) + list(kwargs.values()))
+    return None if found is None else (int(found.shape[0]), int(found.shape[1]))

@@ -1,0 +1,50 @@
+"""Every hf_elixir process exits cleanly: status 0, no abort, on every rank.
+
+A process that reaches interpreter shutdown with gloo process groups alive (ordinary
+scripts and the Trainer never call ``destroy_process_group()``), or with a collective still
+running, can abort there ("terminate called without an active exception", SIGABRT). The
+training script (scripts/exit_loop.py) runs three steps with an rCache smaller than its chunk
+count, so the gathers the last optimizer step prefetches are still in flight when it ends,
+and then ends without any cleanup, after ``model.close()``, or after Accelerate's
+``end_training()``; each run must exit with status 0, print nothing of an abort on any rank,
+and (without ``end_training``) have had its process groups destroyed by hf_elixir's exit
+handler rather than left to the interpreter's teardown.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from harness import free_port
+from integration_helpers import SCRIPTS, hf_elixir, worker_env
+
+ABORT_SIGNS = ("terminate called", "Aborted", "SIGABRT", "Signal 6", "core dumped", "Exception ignored",
+               "Traceback", "could not destroy")
+
+
+@pytest.fixture(scope="module")
+def config(tmp_path_factory):
+    d = tmp_path_factory.mktemp("exit")
+    proc = hf_elixir("config", "--non-interactive", "--num_processes", "2", "--use_cpu",
+                     "--config_file", str(d / "elixir.yaml"), cwd=d)
+    assert proc.returncode == 0, proc.stderr
+    return d / "elixir.yaml"
+
+
+@pytest.mark.parametrize("run, ending", list(enumerate(["none", "close", "none", "end_training", "none"])))
+def test_training_run_exits_cleanly(config, tmp_path, run, ending) -> None:
+    env = worker_env(ELIXIR_CHUNK_SIZE_MB="0.01", ELIXIR_RCACHE_BLOCKS="2")
+    proc = hf_elixir("launch", "--config_file", str(config), "--main_process_port", str(free_port()),
+                     str(SCRIPTS / "exit_loop.py"), "--ending", ending, cwd=tmp_path, env=env)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"run {run} ({ending}): exit {proc.returncode}\n{output[-6000:]}"
+    for sign in ABORT_SIGNS:
+        assert sign not in output, f"run {run} ({ending}): {sign!r} in the launcher's output\n{output[-6000:]}"
+    assert "hf_elixir is active on 2 process(es)" in proc.stdout
+    packing = re.search(r"(\d+) chunks of \d+ elements, rCache (\d+)", proc.stdout)
+    assert packing and int(packing.group(2)) == 2 < int(packing.group(1))  # gathers left in flight
+    for rank in (0, 1):
+        assert f"rank {rank} trained" in proc.stdout
+        assert f"rank {rank} process groups at exit: destroyed" in proc.stdout
