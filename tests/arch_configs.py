@@ -222,8 +222,8 @@ def _shrunk_int(key: str, value: int, before: _Before) -> int:
     # hidden width of any part of the config: an adapter's output is the text width)
     if before.hidden and before.hidden >= 256 and value == before.hidden or value in before.widths:
         return HIDDEN
-    if before.hidden and before.hidden >= 256 and value == 2 * before.hidden:
-        return 2 * HIDDEN  # a width of two hidden states side by side
+    if "hidden" in key and before.hidden and before.hidden >= 256 and value == 2 * before.hidden:
+        return 2 * HIDDEN  # a width of two hidden states side by side (zamba's attention input)
     if before.ffn and before.ffn >= 256 and value == before.ffn:
         return 2 * HIDDEN
     return value
