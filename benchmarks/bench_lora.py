@@ -103,7 +103,7 @@ import torch.distributed as dist
 from torch import nn
 
 import bench_planner
-from bench_step import PACK_SIZE, RESULTS, batch_for, counted_step, elixir_step, pyplot, setup_ddp, setup_fsdp2
+from bench_step import PACK_SIZE, RESULTS, counted_step, elixir_step, pyplot, setup_ddp, setup_fsdp2, timed_steps
 
 LORA_RANK = 16
 LR = 1e-4  # bench_step's
@@ -413,19 +413,7 @@ def run_system(system: str, model_name: str, args, plan_json: str | None) -> dic
     base = sum(nbytes(p) for p in unique_params(p for p in model.parameters() if not p.requires_grad))
     step, probe, hooks = SETUPS[system](model, plan_json)
     setup_s = time.perf_counter() - t0
-    times, losses = [], []
-    for i in range(args.warmup + args.steps):
-        ids = batch_for(rank, world, i, args.global_batch, args.seq_len, vocab)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step(ids)
-        dist.barrier()
-        elapsed = time.perf_counter() - t0
-        mean = loss.detach().reshape(1).clone()
-        dist.all_reduce(mean)
-        losses.append(mean.item() / world)
-        if i >= args.warmup:
-            times.append(elapsed)
+    times, losses = timed_steps(step, rank, world, args, vocab)
     probe.arm(model)
     wire = counted_step(step, None, rank, world, args.warmup + args.steps, args, vocab)
     frozen = probe.read()

@@ -206,12 +206,9 @@ SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_reshard_all": setup_fs
            "hf_elixir": setup_elixir, "hf_elixir_tensor": setup_elixir_tensor}
 
 
-def run_system(name: str, model_name: str, args, systems: dict | None = None) -> dict:
-    """Train one system (looked up in systems, default SYSTEMS) and time its steps."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    model = build(model_name)
-    vocab = model.config.vocab_size
-    step, info = (SYSTEMS if systems is None else systems)[name](model)
+def timed_steps(step, rank: int, world: int, args, vocab: int) -> tuple[list[float], list[float]]:
+    """Run warm-up and timed steps, each between barriers so every rank's time covers the
+    slowest rank's step: (the timed steps' seconds, every step's loss averaged over ranks)."""
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         ids = batch_for(rank, world, i, args.global_batch, args.seq_len, vocab)
@@ -225,6 +222,16 @@ def run_system(name: str, model_name: str, args, systems: dict | None = None) ->
         losses.append(total.item() / world)
         if i >= args.warmup:
             times.append(elapsed)
+    return times, losses
+
+
+def run_system(name: str, model_name: str, args, systems: dict | None = None) -> dict:
+    """Train one system (looked up in systems, default SYSTEMS) and time its steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(model_name)
+    vocab = model.config.vocab_size
+    step, info = (SYSTEMS if systems is None else systems)[name](model)
+    times, losses = timed_steps(step, rank, world, args, vocab)
     out = {"median_step_s": statistics.median(times), "step_times_s": times, "losses": losses}
     out["bytes_per_step"] = counted_step(step, info, rank, world, args.warmup + args.steps, args, vocab)
     if callable(info):
