@@ -103,7 +103,8 @@ import torch.distributed as dist
 from torch import nn
 
 import bench_planner
-from bench_step import PACK_SIZE, RESULTS, counted_step, elixir_step, pyplot, setup_ddp, setup_fsdp2, timed_steps
+from bench_step import (PACK_SIZE, RESULTS, add_host_memory_option, apply_host_memory_setting, counted_step,
+                        elixir_step, pyplot, setup_ddp, setup_fsdp2, timed_steps)
 
 LORA_RANK = 16
 LR = 1e-4  # bench_step's
@@ -435,10 +436,7 @@ def run_system(system: str, model_name: str, args, plan_json: str | None) -> dic
 
 def rank_main(rank: int, args, models: list[str], plans: dict, rendezvous: str, out: str) -> None:
     torch.set_num_threads(max(1, args.threads))
-    if args.keep_host_memory == "all":
-        from hf_elixir.runtime.host_memory import keep_freed_host_memory
-
-        keep_freed_host_memory()
+    apply_host_memory_setting(args)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=args.world_size)
     results: dict = {}
     for model_name in models:
@@ -581,8 +579,7 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, help=f"default {DEFAULTS['warmup']}")
     p.add_argument("--steps", type=int, help=f"default {DEFAULTS['steps']}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--keep-host-memory", choices=("all", "hf_elixir"), default="all",
-                   help="which systems run with freed host memory kept mapped (see above)")
+    add_host_memory_option(p)
     p.add_argument("--show-plans", action="store_true", help="print each hf_elixir plan's summary")
     p.add_argument("--output", type=Path)
     args = p.parse_args(argv)

@@ -41,6 +41,11 @@ costs here is the extra copying and bookkeeping, not PCIe transfers. "peak devic
 is hf_elixir's own accounting (memory_report()["peak_total"]): what it holds on the compute
 device, which offloading reduces. Results go to benchmarks/results/bench_offload.json and a
 PNG beside it.
+
+Host memory: as in bench_step.py, every rank starts as ``hf-elixir launch`` starts CPU
+ranks, and by default every system runs with freed host memory kept mapped (the setting
+hf_elixir makes on a CPU device), so that all systems share one allocator setting;
+``--keep-host-memory hf_elixir`` gives the baselines glibc's defaults instead.
 """
 
 from __future__ import annotations
@@ -55,7 +60,8 @@ from pathlib import Path
 
 import torch
 
-from bench_step import MODELS, RESULTS, blocks_of, launch, plain_step, pyplot, setup_elixir
+from bench_step import (MODELS, RESULTS, add_host_memory_option, blocks_of, launch, plain_step, pyplot,
+                        setup_elixir)
 
 OFFLOADED = ["hf_elixir_offload", "hf_elixir_offload_half", "fsdp2_offload", "deepspeed_offload"]
 ORDER = ["fsdp2_offload", "hf_elixir_offload", "hf_elixir_offload_half", "deepspeed_offload",
@@ -213,6 +219,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_host_memory_option(p)
     p.add_argument("--output", type=Path, default=RESULTS / "bench_offload.json")
     args = p.parse_args()
     if args.global_batch % args.world_size:

@@ -35,11 +35,11 @@ The hf_elixir rows also carry the runtime's own counter and the planner's predic
 
 Host memory: every rank starts as ``hf-elixir launch`` starts CPU ranks, with glibc's
 per-thread cache off (without it the heap fragments under gloo;
-hf_elixir/runtime/host_memory.py). On a CPU device hf_elixir also makes glibc keep freed
-memory mapped; DDP and FSDP2 run with glibc's other defaults, as a user gets them (they run
-first in each rank, before any ElixirModule exists). ``--keep-host-memory all`` gives every
-system the same setting, to separate what the allocator setting is worth from what the
-runtime is.
+hf_elixir/runtime/host_memory.py), and by default every system runs with freed host memory
+kept mapped, the setting hf_elixir itself makes on a CPU device, so that all systems share
+one allocator setting (``--keep-host-memory all``). ``--keep-host-memory hf_elixir`` leaves
+DDP and FSDP2 with glibc's other defaults, as a user of them gets them (they run first in
+each rank, before any ElixirModule exists), to show what the setting is worth on its own.
 """
 
 from __future__ import annotations
@@ -259,13 +259,29 @@ def counted_step(step, info, rank: int, world: int, index: int, args, vocab: int
     return dict(counter.counter.bytes, total=counter.counter.total(), unclassified=dict(counter.unknown))
 
 
-def worker(rank: int, world: int, port: int, args, queue, systems: dict | None = None) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, args.threads))
-    if getattr(args, "keep_host_memory", "hf_elixir") == "all":
+def add_host_memory_option(parser: argparse.ArgumentParser) -> None:
+    """The allocator option every benchmark shares: which systems run with freed host memory
+    kept mapped. All of them by default, so that a comparison never hinges on an allocator
+    setting one system got and its baselines did not."""
+    parser.add_argument("--keep-host-memory", choices=("all", "hf_elixir"), default="all",
+                        help="which systems run with freed host memory kept mapped: all (default, "
+                             "the same allocator for every system) or hf_elixir (the baselines "
+                             "keep glibc's defaults, as their users get them)")
+
+
+def apply_host_memory_setting(args) -> None:
+    """In a fresh rank, before any system runs: make glibc keep freed memory mapped when every
+    system is to run that way (hf_elixir makes the same setting itself on a CPU device)."""
+    if getattr(args, "keep_host_memory", "all") == "all":
         from hf_elixir.runtime.host_memory import keep_freed_host_memory
 
         keep_freed_host_memory()
+
+
+def worker(rank: int, world: int, port: int, args, queue, systems: dict | None = None) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, args.threads))
+    apply_host_memory_setting(args)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results: dict = {}
     for model_name in args.models:
@@ -388,8 +404,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--keep-host-memory", choices=("hf_elixir", "all"), default="hf_elixir",
-                   help="which systems run with freed host memory kept mapped (see above)")
+    add_host_memory_option(p)
     p.add_argument("--output", type=Path, default=RESULTS / "bench_step.json")
     args = p.parse_args()
     if args.global_batch % args.world_size:

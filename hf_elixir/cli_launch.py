@@ -38,7 +38,12 @@ def register_config(sub) -> None:
     p.add_argument("--config_file", default=DEFAULT_CONFIG, help=f"where to write it (default {DEFAULT_CONFIG})")
     p.add_argument("--non-interactive", "--non_interactive", dest="non_interactive", action="store_true",
                    help="take flags and defaults, ask nothing")
-    p.add_argument("--num_processes", type=int, default=None, help="processes (GPUs) on this machine")
+    p.add_argument("--num_processes", type=int, default=None,
+                   help="processes in all, over every machine (one per GPU)")
+    p.add_argument("--num_machines", type=int, default=None, help="machines the run spans (default 1)")
+    p.add_argument("--machine_rank", type=int, default=None,
+                   help="this machine's rank, 0 for the main one (write one file per machine)")
+    p.add_argument("--main_process_ip", default=None, help="the address every machine reaches machine 0 at")
     p.add_argument("--mixed_precision", choices=("no", "bf16", "fp16"), default=None)
     p.add_argument("--main_process_port", type=int, default=None)
     p.add_argument("--use_cpu", action="store_true", default=None, help="train on the CPU even if GPUs exist")
@@ -61,24 +66,25 @@ def _ask(question: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
 def cmd_config(args) -> int:
     import torch
 
-    from hf_elixir.integrations.launch import default_config, write_config
+    from hf_elixir.integrations.launch import LaunchError, default_config, write_config
 
     gpus = torch.cuda.device_count()
     use_gpu = gpus > 0 and not args.use_cpu
     interactive = not args.non_interactive and sys.stdin.isatty()
-    num = args.num_processes
-    if num is None:
-        num = gpus if use_gpu else 2
-        if interactive:
-            num = _ask("How many processes (one per GPU)?", num, int)
+    machines = _setting(args.num_machines, 1, interactive, "How many machines will the run span?", int)
+    rank, ip, port = args.machine_rank, args.main_process_ip, args.main_process_port
+    if machines > 1:
+        rank = _setting(rank, 0, interactive, "The rank of this machine (0: the main one)?", int)
+        ip = _setting(ip, None, interactive, "The IP address of the main machine (machine 0)?")
+        port = _setting(port, 29500, interactive, "The port on the main machine the others connect to?", int)
+    per_machine = gpus if use_gpu else 2
+    num = _setting(args.num_processes, per_machine * machines, interactive,
+                   "How many processes in all, over every machine (one per GPU)?", int)
     if num < 1:
         raise _cli_error("--num_processes must be at least 1")
-    precision = args.mixed_precision
-    if precision is None:
-        precision = "bf16" if use_gpu else "no"
-        if interactive:
-            precision = _ask("Precision (no, bf16, fp16)?", precision,
-                             lambda s: s if s in ("no", "bf16", "fp16") else _raise(ValueError(f"{s!r} is not no/bf16/fp16")))
+    precision = _setting(args.mixed_precision, "bf16" if use_gpu else "no", interactive,
+                         "Precision (no, bf16, fp16)?",
+                         lambda s: s if s in ("no", "bf16", "fp16") else _raise(ValueError(f"{s!r} is not no/bf16/fp16")))
     options = {f.name: getattr(args, f.name) for f in option_fields()}
     if interactive:
         for name, question in (("gpu_memory", "Memory per device for the plan (blank: all of it)?"),
@@ -89,11 +95,23 @@ def cmd_config(args) -> int:
                 options[name] = _ask(question, default, lambda s, n=name: _checked(n, s))
     try:
         plugin = ElixirPlugin.from_dict({k: v for k, v in options.items() if v is not None})
-    except ElixirConfigError as e:
+        accelerate_cfg = default_config(num, precision, use_gpu, port, num_machines=machines,
+                                        machine_rank=rank or 0, main_process_ip=ip)
+    except (ElixirConfigError, LaunchError) as e:
         raise _cli_error(str(e)) from None
-    path = write_config(args.config_file, default_config(num, precision, use_gpu, args.main_process_port), plugin)
+    path = write_config(args.config_file, accelerate_cfg, plugin)
     print(f"wrote {path}; start training with:\n  hf-elixir launch --config_file {path} your_script.py [args]")
+    if machines > 1:
+        print(f"  on each of the {machines} machines, with a copy of the file whose machine_rank is that "
+              f"machine's (0..{machines - 1}); checkpoints need a folder every machine sees")
     return 0
+
+
+def _setting(given: Any, default: Any, interactive: bool, question: str, cast: Callable[[str], Any] = str) -> Any:
+    """A flag's value when given, else the answer to ``question`` (interactive) or ``default``."""
+    if given is not None:
+        return given
+    return _ask(question, default, cast) if interactive else default
 
 
 def _raise(e: Exception):

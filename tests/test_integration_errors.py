@@ -153,7 +153,7 @@ def test_config_non_interactive_round_trip(tmp_path) -> None:
 
 
 def test_config_interactive_prompts(tmp_path, monkeypatch, capsys) -> None:
-    answers = iter(["3", "no", "12GiB", "half", "0.5", "on"])  # "half" is refused and asked again
+    answers = iter(["1", "3", "no", "12GiB", "half", "0.5", "on"])  # "half" is refused and asked again
     monkeypatch.setattr(sys.stdin, "isatty", lambda: True)
     monkeypatch.setattr(builtins, "input", lambda prompt="": next(answers))
     out = tmp_path / "c.yaml"

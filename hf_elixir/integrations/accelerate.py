@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader
 from hf_elixir import checkpoint
 from hf_elixir.integrations.lazy import LazyElixirModule, NotShardedYetError
 from hf_elixir.integrations.planning import (
-    batch_shape_from_loader, compute_dtype, make_plan, optimizer_kind,
+    batch_shape_from_loader, compute_dtype, machines_from_env, make_plan, optimizer_kind,
 )
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixir_requested, env_flag
 from hf_elixir.runtime import ElixirModule, ElixirOptimizer
@@ -180,7 +180,7 @@ class ElixirAccelerator(Accelerator):
                       "so the model is planned and sharded on its first forward", flush=True)
             return lazy
         plan = make_plan(model, plugin, world_size=self.num_processes, dtype=dtype, optimizer=kind,
-                         batch_shape=shape)
+                         batch_shape=shape, machines=machines_from_env(self.num_processes))
         emodel = ElixirModule(model, plan, device=self.device)
         self._elixir_modules.append(emodel)
         self._models.append(emodel)
@@ -199,7 +199,8 @@ class ElixirAccelerator(Accelerator):
         shape = (p.batch_size or shape[0], p.seq_len or shape[1])  # a pinned half of the shape wins
         self._elixir_batch_shape = shape
         return make_plan(model, self.elixir_plugin, world_size=self.num_processes, dtype=dtype,
-                         optimizer=optimizer_kind(pending[0] if pending else None), batch_shape=shape)
+                         optimizer=optimizer_kind(pending[0] if pending else None), batch_shape=shape,
+                         machines=machines_from_env(self.num_processes))
 
     def _on_lazy_shard(self, emodel: "LazyElixirModule") -> None:
         """The model was just sharded (inside its first forward): give its optimizers their

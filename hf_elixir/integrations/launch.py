@@ -71,22 +71,26 @@ def read_config(path: str | os.PathLike) -> LaunchConfig:
             f"{source}: distributed_type {kind} (or a deepspeed/fsdp section) shards the model too; "
             "hf_elixir replaces it: use MULTI_GPU, MULTI_CPU or NO"
         )
+    check_machines(data, source)
     return LaunchConfig(accelerate=data, plugin=plugin, source=source)
 
 
 def default_config(num_processes: int, mixed_precision: str = "no", use_gpu: Optional[bool] = None,
-                   main_process_port: Optional[int] = None) -> dict[str, Any]:
-    """Accelerate's part of a single-machine config."""
+                   main_process_port: Optional[int] = None, num_machines: int = 1, machine_rank: int = 0,
+                   main_process_ip: Optional[str] = None) -> dict[str, Any]:
+    """Accelerate's part of a config: ``num_processes`` in all, over ``num_machines`` machines
+    (Accelerate's convention: each machine starts ``num_processes // num_machines``)."""
     if use_gpu is None:
         import torch
 
         use_gpu = torch.cuda.is_available()
-    kind = "NO" if num_processes <= 1 else ("MULTI_GPU" if use_gpu else "MULTI_CPU")
+    several = num_processes > 1 or num_machines > 1
+    kind = "NO" if not several else ("MULTI_GPU" if use_gpu else "MULTI_CPU")
     cfg: dict[str, Any] = {
         "compute_environment": "LOCAL_MACHINE",
         "distributed_type": kind,
-        "num_machines": 1,
-        "machine_rank": 0,
+        "num_machines": int(num_machines),
+        "machine_rank": int(machine_rank),
         "num_processes": int(num_processes),
         "mixed_precision": mixed_precision,
         "use_cpu": not use_gpu,
@@ -94,9 +98,36 @@ def default_config(num_processes: int, mixed_precision: str = "no", use_gpu: Opt
         "same_network": True,
         "main_training_function": "main",
     }
+    if main_process_ip is not None:
+        cfg["main_process_ip"] = str(main_process_ip)
     if main_process_port is not None:
         cfg["main_process_port"] = int(main_process_port)
+    check_machines(cfg, "the config")
     return cfg
+
+
+def check_machines(acc: dict[str, Any], source: object) -> None:
+    """A multi-machine config names the main machine and gives every machine the same number
+    of processes; say what is missing before any process starts."""
+    try:
+        machines = int(acc.get("num_machines", 1) or 1)
+        rank = int(acc.get("machine_rank", 0) or 0)
+        procs = int(acc.get("num_processes", 1) or 1)
+    except (TypeError, ValueError) as e:
+        raise LaunchError(f"{source}: num_machines, machine_rank and num_processes must be integers ({e})") from None
+    if machines < 1:
+        raise LaunchError(f"{source}: num_machines must be at least 1, got {machines}")
+    if machines == 1:
+        return
+    if not 0 <= rank < machines:
+        raise LaunchError(f"{source}: machine_rank {rank} is not one of 0..{machines - 1} "
+                          f"(num_machines {machines}); the main machine is 0")
+    if procs % machines:
+        raise LaunchError(f"{source}: num_processes is the total over all machines ({procs}) and must be "
+                          f"divisible by num_machines ({machines}): each machine starts the same number")
+    if not acc.get("main_process_ip"):
+        raise LaunchError(f"{source}: num_machines {machines} needs main_process_ip, the address every machine "
+                          "reaches machine 0 at (and the same main_process_port on each)")
 
 
 def write_config(path: str | os.PathLike, accelerate_cfg: dict[str, Any], plugin: ElixirPlugin) -> Path:

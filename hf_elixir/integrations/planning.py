@@ -7,6 +7,7 @@ of the first training batch. Everything here only reads the model.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -15,6 +16,7 @@ from torch import nn
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
 from hf_elixir.plan.plan import ElixirPlan, PlanError
+from hf_elixir.profile.profiler import model_checkpoints
 
 # accelerate's mixed_precision names -> hf_elixir compute dtypes
 MIXED_PRECISION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -45,6 +47,20 @@ def compute_dtype(mixed_precision: str) -> str:
         ) from None
 
 
+def machines_from_env(world_size: int) -> int:
+    """How many machines this run spans: ``WORLD_SIZE`` ranks over ``LOCAL_WORLD_SIZE`` per
+    machine, as torchrun (under ``accelerate launch`` and ``hf-elixir launch``) sets them.
+    One machine when they are not set or do not divide (a hand-made process group)."""
+    try:
+        world = int(os.environ.get("WORLD_SIZE", world_size))
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    except ValueError:
+        return 1
+    if world != world_size or local < 1 or world % local:
+        return 1
+    return world // local
+
+
 def make_plan(
     model: nn.Module,
     plugin: ElixirPlugin,
@@ -52,11 +68,21 @@ def make_plan(
     dtype: str,
     optimizer: str,
     batch_shape: Optional[tuple[int, int]],
+    machines: int = 1,
 ) -> ElixirPlan:
     """The plan to run ``model`` with, checked against the model and the world size.
 
+    ``machines``: how many machines the ranks span (``machines_from_env``); a searched plan
+    prices the link between them.
+
     Raises ElixirConfigError (or PlanError) saying what to change; the model is untouched.
     """
+    if plugin.activation_checkpointing == "off" and model_checkpoints(model):
+        raise ElixirConfigError(
+            "the elixir option activation_checkpointing is off, but the model's own activation "
+            "checkpointing is on (gradient_checkpointing_enable(), or the Trainer's "
+            "--gradient_checkpointing), and the model checkpoints whatever the plan says; turn one off"
+        )
     if plugin.plan != "auto":
         try:
             plan = ElixirPlan.from_json(plugin.plan)
@@ -80,7 +106,8 @@ def make_plan(
             rcache_blocks=plugin.rcache_blocks,
             offload_fraction=plugin.offload_fraction(),
             compute_dtype=dtype,
-            activation_checkpointing=plugin.activation_checkpointing == "on",
+            # the model's own checkpointing, when the user turned it on, runs whatever we pin
+            activation_checkpointing=plugin.activation_checkpointing == "on" or model_checkpoints(model),
         )
         plan.validate(model, world_size=world_size)
         return plan
@@ -101,6 +128,7 @@ def make_plan(
         optimizer=optimizer,
         memory_budget=plugin.gpu_memory,
         efficiency=plugin.efficiency,
+        nodes=machines,
     )
 
 

@@ -265,6 +265,9 @@ class ElixirPlan:
         frozen_ids = [i for i, k in enumerate(kinds) if k]
         optim_off = set(trainable_ids[len(trainable_ids) - round(len(trainable_ids) * offload_fraction):])
         frozen_off = set(frozen_ids[len(frozen_ids) - round(len(frozen_ids) * offload_frozen):])
+        chunk_numel = [sum(sizes[name] for name in g) for g in groups]
+        _warn_unhonoured_offload("offload_fraction", offload_fraction, trainable_ids, optim_off, chunk_numel)
+        _warn_unhonoured_offload("offload_frozen", offload_frozen, frozen_ids, frozen_off, chunk_numel)
         chunks = [
             ChunkPlan(
                 params=g,
@@ -468,3 +471,25 @@ def detect_fetch_units(model: nn.Module) -> list[str]:
         if isinstance(experts, nn.ModuleList) and len(experts) > 1:
             units.append(name)
     return units
+
+
+def _warn_unhonoured_offload(label: str, asked: float, ids: list[int], chosen: set[int],
+                             chunk_numel: list[int]) -> None:
+    """Warn when whole-chunk offloading lands far from the fraction asked for.
+
+    Chunks are offloaded whole, so a fraction is rounded to a number of chunks; with few
+    chunks that can mean nothing at all (0.5 of a model packed into one chunk) or everything.
+    Silence would leave the user believing the memory was saved."""
+    if not ids or asked in (0.0, 1.0):
+        return
+    total = sum(chunk_numel[i] for i in ids)
+    got = sum(chunk_numel[i] for i in chosen) / total if total else 0.0
+    if (got == 0.0 or got == 1.0 or abs(got - asked) > 0.25):
+        import warnings
+
+        warnings.warn(
+            f"{label}={asked:g} cannot be honoured: chunks are offloaded whole, and {len(chosen)} of the "
+            f"{len(ids)} chunk(s) it applies to ({got:.0%} of their elements) are offloaded. Pin a smaller "
+            "chunk size (chunk_size_mb) to offload at a finer grain, or ask for 0 or 1",
+            UserWarning, stacklevel=3,
+        )

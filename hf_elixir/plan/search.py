@@ -39,7 +39,7 @@ from hf_elixir.plan import cost, fetches, traffic
 from hf_elixir.plan.needs import rcache_minimum
 from hf_elixir.plan.plan import (ChunkPlan, ElixirPlan, PlanError, canonical_dtype, chunked_parameters,
                                  model_signature)
-from hf_elixir.profile.profiler import ModelProfile, profile_model
+from hf_elixir.profile.profiler import ModelProfile, model_checkpoints, profile_model
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PREFETCH_DEPTHS = (0, 1, 2)
@@ -380,6 +380,7 @@ def plan(
     profile: ModelProfile | None = None,
     alternatives: int = 5,
     efficiency: float | str = "auto",
+    nodes: int | None = None,
 ) -> ElixirPlan:
     """Profile ``model`` on the meta device and return the fastest plan that fits.
 
@@ -393,6 +394,9 @@ def plan(
             ``(batch_size, seq_len)``.
         hardware: a ``HardwareProfile``, a preset name, or None for ``HardwareProfile.detect()``.
         world_size: ranks to shard over (default: the hardware's GPUs per node x nodes).
+        nodes: machines the ranks are spread over, evenly (default: the hardware profile's
+            shape, or one machine when ``world_size`` fits on it). Collectives that span
+            machines are priced at the profile's ``inter_node_bandwidth``.
         dtype: compute dtype ("bf16", "fp16", "fp32").
         optimizer: "adamw", "adam" or "sgd" (with momentum).
         memory_budget: bytes (or "24GiB") per device the plan may use; default the device memory.
@@ -414,7 +418,7 @@ def plan(
     optimizer = optimizer.lower()
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"unsupported optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
-    hw = _resolve_hardware(hardware, world_size)
+    hw = _resolve_hardware(hardware, world_size, nodes)
     W = int(world_size or hw.world_size)
     if W < 1:
         raise PlanError(f"world_size must be >= 1, got {W}")
@@ -425,9 +429,11 @@ def plan(
     )
     if isinstance(model, nn.Module) and not any(p.requires_grad for _, p in chunked_parameters(model)):
         raise untrainable
+    # a model whose own checkpointing is on checkpoints whatever the plan says: price only that
+    own_ckpt = isinstance(model, nn.Module) and model_checkpoints(model)
     if profile is None:
         profile = profile_model(model, example_batch, dtype=compute_dtype,
-                                attention_target=hw.device_type)
+                                attention_target=hw.device_type, checkpointing=True if own_ckpt else None)
     t_prof = time.perf_counter() - t0
     if not profile.trainable:
         raise untrainable
@@ -435,6 +441,8 @@ def plan(
     measured["used"] = compute_figures(profile, hw, W, measured["value"]).efficiency
 
     cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer, measured["value"])
+    if own_ckpt and profile.checkpointed is not None:
+        cands = [c for c in cands if c.checkpointing]
     all_cands = cands
     if hw.device_type == "cuda":  # offloaded state must fit in the node's host memory
         host = lambda c: _host_bytes(c, W, compute_dtype, optimizer) * min(W, hw.gpus_per_node)  # noqa: E731
@@ -456,7 +464,7 @@ def plan(
     if not fitting:
         raise _infeasible(profile, model, example_batch, cands, budget, hw, W, compute_dtype, optimizer)
     best = fitting[-1]
-    timing = {"candidates": len(cands), "profile_seconds": t_prof,
+    timing = {"candidates": len(cands), "profile_seconds": t_prof, "model_checkpointing": own_ckpt,
               "search_seconds": time.perf_counter() - t0 - t_prof - measured.get("seconds", 0.0),
               "compute_efficiency": measured}
     result = materialize(best, packings[best.chunk_size], profile, hw, W, compute_dtype, optimizer,
@@ -507,6 +515,10 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         "step_flops": step.memory.flops,
         "hardware": hw.name,
         "device_type": hw.device_type,
+        # the cluster shape priced: collectives spanning machines run at the link between them
+        "nodes": hw.nodes if W > hw.gpus_per_node else 1,
+        "ranks_per_node": min(W, hw.gpus_per_node),
+        "inter_node_bandwidth": hw.inter_node_bandwidth,
         "optimizer": optimizer,
         "batch_size": profile.batch_size,
         "seq_len": profile.seq_len,
@@ -573,13 +585,19 @@ def _signature(c: Candidate) -> tuple:
             c.n_frozen_cpu)
 
 
-def _resolve_hardware(hardware, world_size) -> HardwareProfile:
+def _resolve_hardware(hardware, world_size, nodes: int | None = None) -> HardwareProfile:
     if hardware is None:
         hw = HardwareProfile.detect()
     elif isinstance(hardware, str):
         hw = HardwareProfile.preset(hardware)
     else:
         hw = hardware
+    if nodes is not None:
+        W = int(world_size or hw.world_size)
+        if nodes < 1 or W % nodes:
+            raise PlanError(f"{W} ranks cannot be spread evenly over {nodes} machine(s); give every "
+                            "machine the same number of processes")
+        return hw.with_cluster(gpus_per_node=W // nodes, nodes=nodes)
     if world_size is not None and world_size != hw.world_size:
         if hw.gpus_per_node > 1 and world_size % hw.gpus_per_node == 0:
             hw = hw.with_cluster(nodes=world_size // hw.gpus_per_node)

@@ -72,13 +72,16 @@ def summary(plan) -> str:
             + (f" + {n_frozen / 1e6:.1f}M frozen" if n_frozen else "")
             + f" parameters, {plan.compute_dtype}, "
             f"{p.get('optimizer', '?')}, batch {p.get('batch_size')} x {p.get('seq_len')} per device, "
-            f"world size {plan.world_size} on {p.get('hardware')}"
+            f"world size {plan.world_size}{_machines(p)} on {p.get('hardware')}"
         )
         lines.append(
             f"  predicted peak {format_bytes(p['peak_bytes'])} of {format_bytes(p['budget_bytes'])} "
             f"budget; step {p['step_time_s'] * 1e3:.1f} ms"
             + (f", {p['tokens_per_s']:.0f} tokens/s" if p.get("tokens_per_s") else "")
         )
+        if p.get("model_checkpointing"):
+            lines.append("  activation checkpointing: the model's own, on before planning "
+                         "(every plan below is priced with it)")
         eff = p.get("compute_efficiency")
         if eff:
             lines.append(f"  compute priced at {_efficiency_source(eff)}")
@@ -123,6 +126,17 @@ def _efficiency_source(eff: dict[str, Any]) -> str:
     if eff.get("source") == "given":
         return f"{used} (given)"
     return f"{used} (calibrated for the model's width)"
+
+
+def _machines(p: dict[str, Any]) -> str:
+    """The cluster shape priced, when the ranks span machines: their collectives run at the
+    link between machines, so a reader must know the plan assumed it."""
+    nodes = p.get("nodes", 1)
+    if nodes <= 1:
+        return ""
+    link = p.get("inter_node_bandwidth")
+    return (f" ({nodes} machines x {p.get('ranks_per_node')} ranks, collectives across machines priced at "
+            f"{format_bytes(link)}/s)" if link else f" ({nodes} machines x {p.get('ranks_per_node')} ranks)")
 
 
 def _per(plan) -> str:

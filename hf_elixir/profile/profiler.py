@@ -171,6 +171,17 @@ def _supports_checkpointing(model: nn.Module) -> bool:
     )
 
 
+def model_checkpoints(model: nn.Module) -> bool:
+    """Whether the model's own activation checkpointing is already on: the user, or the
+    Trainer's ``--gradient_checkpointing``, turned it on before hf_elixir saw the model. Such
+    a model checkpoints whatever a plan says, so plans must be priced, and labelled, that way."""
+    for attr in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        value = getattr(model, attr, None)
+        if isinstance(value, bool):
+            return value
+    return False
+
+
 def enable_checkpointing(model: nn.Module) -> None:
     """Turn on the model's own (non-reentrant) activation checkpointing."""
     kwargs = {"use_reentrant": False}

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.plan.plan import ElixirPlan, PlanError, chunk_layout
+from hf_elixir.profile.profiler import enable_checkpointing, model_checkpoints
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
@@ -97,14 +98,6 @@ def _pinned_pool(dtype: torch.dtype, sizes: list[int]) -> list[torch.Tensor]:
     return views
 
 
-def _enable_activation_checkpointing(model: nn.Module) -> None:
-    kwargs = {"use_reentrant": False}  # reentrant checkpointing runs a nested backward
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 class ElixirModule(nn.Module):
     """Shards ``model``'s parameters into the chunks ``plan`` describes: trainable ones into
     trainable chunks (fp32 master, gradient and optimizer shards), frozen ones into frozen
@@ -171,8 +164,9 @@ class ElixirModule(nn.Module):
         # strides (released.py): no memory, yet autograd records the real shape when a
         # released weight enters a custom Function (whose apply() bypasses __torch_function__)
         self._placeholder = torch.zeros(1, dtype=self.dtype, device=self.device)
-        if plan.activation_checkpointing:
-            _enable_activation_checkpointing(model)
+        if plan.activation_checkpointing and not model_checkpoints(model):
+            # the model's own setting, when on, is the user's (layers, offload): kept as it is
+            enable_checkpointing(model)
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
         self.slot_by_name = {s.name: s for s in self.slots}
