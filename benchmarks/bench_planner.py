@@ -45,7 +45,7 @@ peak; "medium" lies between them on the planner's selection chain. Each model is
 with a calibration of this machine made just before its plans run (``hf-elixir
 calibrate``, about 45 s; ``--no-calibrate`` plans with the cached one instead), and its
 compute is priced at its own efficiency, timed once on two busy ranks as ``hfe.plan``
-times it (``hf_elixir.model_efficiency``; recorded under ``compute_efficiency``).
+times it (``hf_elixir.measure.model_efficiency``; recorded under ``compute_efficiency``).
 Results: benchmarks/results/bench_planner.json and bench_planner.png.
 """
 
@@ -105,9 +105,9 @@ def build(name: str):
 # ---------------------------------------------------------------------- planning (parent)
 def budgets(cands) -> dict[str, int]:
     """Roomy, medium and tight budgets read off the planner's own selection chain."""
-    from hf_elixir.plan import search
+    from hf_elixir.planner import candidate
 
-    path = search.chain(cands)
+    path = candidate.chain(cands)
     peaks = [c.peak for c in path]
     return {"roomy": int(peaks[-1] * 1.05), "medium": int(peaks[len(peaks) // 2] * 1.01),
             "tight": int(peaks[0] * 1.01)}
@@ -118,7 +118,7 @@ def spread(profile, hw, cands, packings, budget: int, taken: set, count: int) ->
     rank correlation is tested on plans the model tells apart, not only near-ties. Each
     adds a work not yet run (``_work``): the fitting candidate nearest its quantile
     whose work is new."""
-    from hf_elixir.plan import search
+    from hf_elixir.planner import search
 
     W = WORLD
     fit = sorted((c for c in cands if c.peak <= budget), key=lambda c: c.step_time)
@@ -141,7 +141,7 @@ def candidates_for(name: str, hw) -> tuple:
     enumerates for it (with the chunk packings by chunk size), and the compute efficiency
     they are priced at: the model timed once, as ``hfe.plan`` times it, for all budgets."""
     import hf_elixir as hfe
-    from hf_elixir.plan import search
+    from hf_elixir.planner import search
 
     profile = hfe.profile_model(config_for(name), BATCH, dtype="float32", attention_target="cpu",
                                 model_name=name)
@@ -156,7 +156,7 @@ def plans_for(name: str, hw, alternatives: int, spread_count: int) -> list[dict]
     """Every (budget, plan) pair to run for one model: the chosen plan, its runners-up as
     the planner names them, and a few fitting candidates spread over predicted time."""
     import hf_elixir as hfe
-    from hf_elixir.plan import search
+    from hf_elixir.planner import search
 
     profile, hw_w, cands, packings, efficiency = candidates_for(name, hw)
     out = []
@@ -179,10 +179,10 @@ def replay_entries(name: str, hw, earlier: list[dict]) -> list[dict]:
     """The (budget, plan) pairs of one model from an earlier results file, rebuilt from
     their configs (the chunk layout does not depend on the calibration) and predicted with
     ``hw``. Each budget keeps the earlier run's verdict of which plans fit it."""
-    from hf_elixir.plan import search
+    from hf_elixir.planner import candidate, search
 
     profile, hw_w, cands, packings, _ = candidates_for(name, hw)
-    by_sig = {search._signature(c): c for c in cands}
+    by_sig = {candidate.signature(c): c for c in cands}
     rows = [r for r in earlier if r["model"] == name]
     # every plan that fitted a budget then fits it now; every other plan does not
     fitting = {}
@@ -323,7 +323,7 @@ def reference_step(model: torch.nn.Module) -> float:
     """Median forward and backward of the plain model (no runtime, no communication) on every
     rank at once: how fast this machine is right now. Taken before each round, it records how
     far the machine drifted while the plans ran (``speed_by_round``)."""
-    from hf_elixir.calibrate import median_time
+    from hf_elixir.measure.calibrate import median_time
 
     ids = torch.randint(0, model.config.vocab_size, BATCH, generator=torch.Generator().manual_seed(0))
 
@@ -375,7 +375,7 @@ def config_work(row: dict) -> str:
 
 def candidate_work(c) -> str:
     """The work (``_work``) of a search candidate or an ElixirPlan, within one model."""
-    from hf_elixir.plan.search import Candidate
+    from hf_elixir.planner.candidate import Candidate
 
     if isinstance(c, Candidate):
         return _work("", c.chunk_size, c.checkpointing, c.rcache_blocks, c.n_chunks, c.prefetch_depth)
@@ -392,7 +392,7 @@ def worker(rank: int, port: int, entries: list[dict], args, queue) -> None:
     torch.set_num_threads(1)  # one core per rank, as torchrun and accelerate launch set it
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     from hf_elixir.runtime.host_memory import keep_freed_host_memory
-    from hf_elixir.steal import StealMeter
+    from hf_elixir.measure.steal import StealMeter
 
     keep_freed_host_memory()  # as the first ElixirModule would: every reference runs alike
     plain = {m: build(m) for m in dict.fromkeys(e["model"] for e in entries)}
@@ -571,7 +571,7 @@ def summarise(rows: list[dict]) -> dict:
     and ``round_medians_s`` shows how much one round alone moved.
     ``speed_by_round`` is the plain model's step before each round over the first round's:
     above 1 the machine had slowed down. ``steal_share_by_round``: the median share of the
-    CPU time the hypervisor took while a plan ran (``hf_elixir.steal``), per round; the
+    CPU time the hypervisor took while a plan ran (``hf_elixir.measure.steal``), per round; the
     machine's own slow spells show there."""
     out: dict = {"plans": [], "models": {}}
     for r in rows:
@@ -710,7 +710,7 @@ def main() -> None:
         # calibrated minutes before its plans run: this VM's speed drifts by 10-30% over an
         # hour (DDP's own GPT-2 30M step: 1.13 s one session, 1.33 s and 0.95 s the next),
         # and a prediction can be no closer to a measurement than its calibration
-        hw = hfe.HardwareProfile.calibrate() if args.calibrate else hfe.HardwareProfile.detect()
+        hw = hfe.measure.calibrate_machine() if args.calibrate else hfe.HardwareProfile.detect()
         entries = replay_entries(m, hw, earlier) if earlier else plans_for(m, hw, args.alternatives, args.spread)
         print(f"{m}: {len(entries)} plans to run on {hw.name}", flush=True)
         # each model in fresh ranks: ranks that have run dozens of plans run the later ones

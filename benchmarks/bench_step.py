@@ -160,7 +160,7 @@ def setup_elixir(model, tensor_collectives: bool = False, **plan_kwargs):
     """hf_elixir with ElixirPlan.simple; plan_kwargs (e.g. offload_fraction) go to the plan;
     ``tensor_collectives``: NCCL's collectives instead of gloo's strategy."""
     import hf_elixir as hfe
-    from hf_elixir.plan import traffic
+    from hf_elixir.planner import traffic
 
     world = dist.get_world_size()
     largest = max(p.numel() for p in model.parameters())

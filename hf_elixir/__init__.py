@@ -1,15 +1,18 @@
 """hf_elixir: automatic memory planning and a chunk-based sharded runtime for HF causal LMs.
 
-``hf_elixir.plan`` is the planning function (``hfe.plan(model, batch)``); the subpackage of
-the same name stays importable as ``hf_elixir.plan.search`` and friends.
+The public face: ``plan`` (the planner's search) and the ``ElixirPlan`` it returns, the
+runtime (``ElixirModule``, ``ElixirOptimizer``), hardware profiles, and, imported on first
+use so that ``import hf_elixir`` needs neither accelerate nor transformers, the integration
+classes. The layers behind them are described in docs/design.md.
 """
 
 from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
-from hf_elixir.plan.plan import ChunkPlan, ElixirPlan, PlanError
-from hf_elixir import plan  # a callable package: hfe.plan(model, batch, ...)
+from hf_elixir.planner import ChunkPlan, ElixirPlan, PlanError, plan
 from hf_elixir.profile import ModelProfile, profile_model
 from hf_elixir.runtime import DynamicLossScaler, ElixirModule, ElixirOptimizer
 from hf_elixir.runtime.released import ReleasedParameterError
+from hf_elixir.vocab import HfElixirError
+from hf_elixir import measure  # registers the model timer with the planner (efficiency="auto")
 
 __version__ = "0.1.0"
 
@@ -35,6 +38,7 @@ __all__ = [
     "ElixirPlan",
     "HardwareError",
     "HardwareProfile",
+    "HfElixirError",
     "ModelProfile",
     "PlanError",
     "ReleasedParameterError",

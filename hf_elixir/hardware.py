@@ -4,7 +4,7 @@ A profile is either a *preset* (figures from datasheets, published measurements 
 estimates; each figure says which in ``sources``), *detected* (the local device's name and
 memory, other figures from the matching preset or a cached calibration) or *calibrated*
 (every figure measured here by ``calibrate()``, cached as JSON under the user's cache
-directory). docs/hardware.md tabulates the presets and their sources.
+directory). docs/planning.md tabulates the presets and their sources.
 
 Units: bytes, bytes/second, FLOP/s, elements/second.
 """
@@ -12,10 +12,9 @@ Units: bytes, bytes/second, FLOP/s, elements/second.
 from __future__ import annotations
 
 import json
+import math
 import os
-import re
 import socket
-import time
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,8 +22,8 @@ from typing import Any
 
 import torch
 
-GiB = 2**30
-GB = 10**9
+from hf_elixir.vocab import GB, GiB, HfElixirError, canonical_dtype, format_bytes, parse_bytes
+
 
 DATASHEET, MEASURED, PUBLISHED, ESTIMATE = "datasheet", "measured", "published measurement", "estimate"
 #: share of CPU time stolen by the hypervisor during a calibration above which it says so:
@@ -32,7 +31,7 @@ DATASHEET, MEASURED, PUBLISHED, ESTIMATE = "datasheet", "measured", "published m
 STEAL_WARNING = 0.10
 
 
-class HardwareError(ValueError):
+class HardwareError(HfElixirError, ValueError):
     """An unknown preset, an unparsable memory size or an unreadable calibration file."""
 
 
@@ -60,11 +59,11 @@ class HardwareProfile:
         context_bytes: device memory the runtime cannot use (CUDA context, NCCL buffers).
         reduce_bandwidth: bus bandwidth of the runtime's gradient reduction, B/s (0: the same
             as ``collective_bandwidth``; on gloo the runtime reduces with another algorithm).
-        compute: measured per-operator figures (``hf_elixir.calibrate.ComputeFigures`` as
+        compute: measured per-operator figures (``hf_elixir.measure.calibrate.ComputeFigures`` as
             dicts), ``"shared"`` for a rank sharing its node, ``"whole"`` for a lone process;
             empty for presets, which derive them from the datasheet figures.
         calibration_steal: share of the CPU time a hypervisor took from this (virtual)
-            machine while it was calibrated (``hf_elixir.steal``); None for presets or where
+            machine while it was calibrated (``hf_elixir.measure.steal``); None for presets or where
             the kernel does not count it. Figures measured under steal price plans slower
             than the machine runs when its host is quiet.
         comm_overlap: on a CPU whose cores all run ranks, the share of a collective's time
@@ -104,19 +103,15 @@ class HardwareProfile:
 
     def matmul_rate(self, dtype: str) -> float:
         """Achievable dense matmul FLOP/s in ``dtype``."""
-        from hf_elixir.plan.plan import canonical_dtype
-
         return self.matmul_flops[canonical_dtype(dtype)] * self.matmul_efficiency
 
     def compute_figures(self, ranks_per_node: int = 1):
-        """The per-operator figures of one rank (``hf_elixir.calibrate.ComputeFigures``).
+        """The per-operator figures of one rank (``hf_elixir.measure.calibrate.ComputeFigures``).
 
         Measured ones when this profile was calibrated; otherwise derived from the datasheet
         figures: matmuls at ``matmul_rate`` whatever their size, other operators' reads and
         writes at 80% of the memory bandwidth, and a typical dispatch cost per call.
         """
-        from hf_elixir.calibrate import ComputeFigures, sharing
-
         key = sharing(ranks_per_node)
         data = self.compute.get(key) or next(iter(self.compute.values()), None)
         if data:
@@ -246,18 +241,6 @@ class HardwareProfile:
                           stacklevel=2)
             return None
 
-    @classmethod
-    def calibrate(cls, output: str | Path | None = None, quick: bool = False,
-                  save: bool = True) -> "HardwareProfile":
-        """Measure every figure on this machine (under a minute) and cache it as JSON.
-
-        ``quick`` uses smaller sizes (a few seconds; less accurate) and is meant for tests.
-        """
-        prof = calibrate_local(quick=quick)
-        if save:
-            prof.to_json(output or cache_path())
-        return prof
-
     def describe(self) -> str:
         rows = [
             ("device", f"{self.name} ({self.device_type})"),
@@ -283,42 +266,12 @@ class HardwareProfile:
 
 
 # ---------------------------------------------------------------------- memory strings
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-}
-
-
 def parse_memory(text: str | int | float) -> int:
     """Bytes from "24GiB", "24 GB", "24000MB", "80G" (G/GiB binary, GB decimal) or a number.
 
     Raises HardwareError with the accepted forms when the string is not a size.
     """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text <= 0:
-            raise HardwareError(f"memory size must be positive, got {text}")
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m.group(2).lower() if m else None
-    if m is None or unit not in _UNITS:
-        raise HardwareError(
-            f"cannot read memory size {text!r}: write a number and a unit, e.g. '24GiB', "
-            "'24 GB', '24000MB' or '80G' (GiB/MiB/G are powers of 1024, GB/MB powers of 1000)"
-        )
-    value = float(m.group(1)) * _UNITS[unit]
-    if value <= 0:
-        raise HardwareError(f"memory size must be positive, got {text!r}")
-    return int(value)
-
-
-def format_bytes(n: float) -> str:
-    n = float(n)
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+    return parse_bytes(text, "memory size", HardwareError)
 
 
 # ---------------------------------------------------------------------- presets
@@ -423,75 +376,108 @@ def cache_path() -> Path:
 
 
 # ---------------------------------------------------------------------- calibration
-def calibrate_local(quick: bool = False) -> HardwareProfile:
-    """Measure this machine. Every figure it sets is marked "measured" in ``sources``.
 
-    What the cost model prices a step with (matmul rate by size, element-wise bandwidth,
-    cost per operator, a transformer block's forward and backward, the runtime's AdamW and
-    collectives) is measured by ``hf_elixir.calibrate``; see its docstring.
+
+# ---------------------------------------------------------------------- per-operator figures
+def _interp(curve: list[list[float]], x: float) -> float:
+    """Log-log interpolation in ``[[x, y], ...]`` (ascending x), clamped at the ends."""
+    if x <= curve[0][0]:
+        return curve[0][1]
+    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
+        if x <= x1:
+            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+    return curve[-1][1]
+
+
+@dataclass
+class ComputeFigures:
+    """How fast one rank computes, for the per-operator cost model.
+
+    Attributes:
+        matmul_curve: dtype -> ``[[flops_per_call, flop_per_s], ...]`` ascending; the rate of a
+            matmul is interpolated log-log between the points (clamped at the ends).
+        matmul_layouts: dtype -> layout ("NN", "NT", "TN") -> a curve like ``matmul_curve``,
+            for matmuls whose layout the trace recorded.
+        read_bandwidth: bytes/s an operator reads (or rewrites in place) from mapped memory.
+        strided_bandwidth: bytes/s read by an element-wise operator that combines a row-major
+            and a transposed tensor of the same shape.
+        special_rate: output elements/s of arithmetic-bound element-wise operators (tanh,
+            exp, softmax, ...; ``profile.memory.TRANSCENDENTAL``).
+        write_curve: ``[[bytes, bytes_per_s], ...]``: the rate of writing a newly allocated
+            output of that size (on a CPU a large one pays a page fault per page).
+        op_overhead: seconds per operator call (dispatch, autograd), whatever its size.
+        event_overhead: seconds the runtime's own hooks add per fetch event (a module's
+            forward or backward: pinning, cache bookkeeping, gradient marks).
+        efficiency: measured / priced time of a small causal LM's forward and backward
+            (embedding, a transformer block, the LM head and the loss): the median over the
+            calibrated widths, used where a model's width is unknown.
+        efficiency_curve: ``[[hidden_size, efficiency], ...]`` ascending: the same ratio for
+            a causal LM of each width. Narrow models fall further below their per-operator
+            prices (a matmul over a 128-wide inner dimension runs slower than a square one of
+            the same FLOPs; attention and layer norm are dominated by per-row work), so
+            ``efficiency_at`` interpolates for the width of the model being planned.
+        adam_rate: fused AdamW, elements/s for one rank.
+        update_rate: elements/s of everything a CPU-device rank runs on its fp32 shards
+            between backward and the next forward, as ``ElixirOptimizer`` runs it: the
+            clipping norm and the scaling, the fused AdamW update and the zeroing of the
+            gradient shard (``update_rate``); with several ranks, measured on all of them at
+            once, since they run it in lock-step between two all-reduces and share the
+            memory bus. 0 where not measured (``cost.after_backward`` then prices the passes
+            one by one).
+        threads: torch threads per rank these figures were measured with.
     """
-    from hf_elixir import calibrate as cal
-    from hf_elixir.steal import StealMeter
 
-    steal = StealMeter()
-    cuda = torch.cuda.is_available()
-    prof = HardwareProfile.detect(use_cache=False)
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    sync = torch.cuda.synchronize if cuda else None
-    src = dict(prof.sources)
-    copy_elems = (4 if quick else 64) * 2**20 // 4  # fp32 elements
+    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
+    matmul_layouts: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
+    read_bandwidth: float = 10e9
+    strided_bandwidth: float = 2e9
+    special_rate: float = 1e9
+    write_curve: list[list[float]] = field(default_factory=lambda: [[1.0, 10e9]])
+    op_overhead: float = 10e-6
+    event_overhead: float = 0.0
+    efficiency: float = 1.0
+    efficiency_curve: list[list[float]] = field(default_factory=list)
+    adam_rate: float = 1e9
+    update_rate: float = 0.0
+    threads: int = 1
 
-    # host <-> device (on CPU a host memory copy; the runtime makes none there)
-    host = torch.empty(copy_elems, dtype=torch.float32, pin_memory=cuda)
-    devbuf = torch.empty(copy_elems, dtype=torch.float32, device=dev)
-    nbytes = copy_elems * 4
-    prof.h2d_bandwidth = nbytes / cal.best_time(lambda: devbuf.copy_(host, non_blocking=cuda), sync=sync)
-    prof.d2h_bandwidth = nbytes / cal.best_time(lambda: host.copy_(devbuf, non_blocking=cuda), sync=sync)
-    other = torch.empty_like(devbuf)
-    prof.device_memory_bandwidth = 2 * nbytes / cal.best_time(lambda: other.copy_(devbuf), sync=sync)
-    del host, devbuf, other
+    def matmul_rate(self, dtype: str, flops: float, layout: str = "") -> float:
+        curve = self.matmul_layouts.get(dtype, {}).get(layout)
+        if curve:
+            return _interp(curve, flops)
+        curve = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
+        if not curve:
+            raise KeyError(dtype)
+        return _interp(curve, flops)
 
-    # one process with every core (world size 1) ...
-    dtypes = ("float32", "bfloat16", "float16") if cuda else ("float32",)
-    whole = cal.measure_compute(dev, dtypes=dtypes, quick=quick)
-    prof.compute = {"whole": asdict(whole)}
-    prof.matmul_flops = {d: max(r for _, r in whole.matmul_curve[d]) for d in dtypes}
-    if not cuda:  # the CPU's half-precision rates, from one square matmul each (not priced per size)
-        n = 256 if quick else 512
-        for name, dt in (("bfloat16", torch.bfloat16), ("float16", torch.float16)):
-            try:
-                a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
-                prof.matmul_flops[name] = 2 * n**3 / cal.best_time(lambda: a @ b, repeat=2)
-            except RuntimeError:
-                prof.matmul_flops[name] = 0.0
-    prof.matmul_efficiency = 1.0
-    prof.device_adam_throughput = whole.adam_rate
-    prof.cpu_adam_throughput = cal.adam_rate(torch.device("cpu"), (1 if quick else 8) * 2**20)
+    def write_rate(self, nbytes: float) -> float:
+        return _interp(self.write_curve, nbytes)
 
-    # ... and two at once: per-rank compute on a shared CPU, the runtime's collectives
-    pair = cal.measure_pair(quick=quick)
-    if pair is not None:
-        (prof.collective_bandwidth, prof.collective_latency) = pair.gather
-        prof.reduce_bandwidth = pair.reduce[0]
-        src["collective_bandwidth"] = src["collective_latency"] = src["reduce_bandwidth"] = MEASURED
-        if pair.compute:
-            prof.compute["shared"] = pair.compute
-            if not cuda:  # the host's AdamW rate is what all its ranks achieve together
-                prof.cpu_adam_throughput = 2 * pair.compute["adam_rate"]
-        if pair.overlap and 2 >= (os.cpu_count() or 1):
-            # measured with every core running a rank; with idle cores left over the pair
-            # would measure those instead, and the planner keeps its rule (Links.of)
-            prof.comm_overlap = dict(pair.overlap)
-            src["comm_overlap"] = MEASURED
+    def efficiency_at(self, hidden_size: int | None) -> float:
+        """The efficiency of a model ``hidden_size`` wide (``efficiency`` when unknown or
+        when these figures predate the curve)."""
+        if not hidden_size or not self.efficiency_curve:
+            return self.efficiency
+        return _interp(self.efficiency_curve, float(hidden_size))
 
-    for k in ("h2d_bandwidth", "d2h_bandwidth", "device_memory_bandwidth", "matmul_flops",
-              "matmul_efficiency", "cpu_adam_throughput", "device_adam_throughput", "compute"):
-        src[k] = MEASURED
-    prof.sources = src
-    prof.name = prof.name + " (calibrated)" if "calibrated" not in prof.name else prof.name
-    prof.calibration_steal = steal.share()
-    if prof.calibration_steal is not None and prof.calibration_steal >= STEAL_WARNING:
-        warnings.warn(f"hf_elixir calibrate: the hypervisor took {prof.calibration_steal:.0%} of this machine's CPU "
-                      "time while it was measured, so its figures are slower than the machine is when its host "
-                      "is quiet; calibrate again later (hf-elixir calibrate)", stacklevel=2)
-    return prof
+    def for_width(self, hidden_size: int | None) -> "ComputeFigures":
+        """These figures with ``efficiency`` set for a model ``hidden_size`` wide."""
+        return replace(self, efficiency=self.efficiency_at(hidden_size))
+
+    def copy_seconds(self, nbytes: float, fresh: bool) -> float:
+        """A copy of ``nbytes`` into a new tensor (``fresh``) or into mapped memory."""
+        return nbytes / self.read_bandwidth + (nbytes / self.write_rate(nbytes) if fresh else 0.0)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "ComputeFigures":
+        return cls(**data)
+
+
+# ---------------------------------------------------------------------- timing
+
+
+def sharing(ranks_per_node: int) -> str:
+    """Which ``HardwareProfile.compute`` figures a rank runs at: ``"shared"`` when several
+    ranks share the node (one thread each), ``"whole"`` when one process has every core."""
+    return "shared" if ranks_per_node > 1 else "whole"

@@ -6,7 +6,7 @@ two halves whose gradients are averaged, as two data-parallel ranks would (the *
 how far plain PyTorch itself strays when only the rounding order changes). Then both
 ranks train it through hf_elixir, each on its half. Last, rank 1 trains the *twin*: plain
 PyTorch on the split batch with an identity view (``x.view_as(x)``) in front of every
-module whose inputs hf_elixir's hooks alias (``hf_elixir.grad_marks``). The views change
+module whose inputs hf_elixir's hooks alias (``hf_elixir.profile.grad_marks``). The views change
 no value, only how autograd groups the sum of a gradient: a tensor read by a module and by
 the code around it (the residual stream entering a norm) gets the module's share summed
 first, then the rest. That grouping is the one hf_elixir computes, so the twin is plain

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from hf_elixir.cli import main
-from hf_elixir.plan.plan import ElixirPlan
+from hf_elixir.planner.record import ElixirPlan
 
 
 @pytest.fixture()

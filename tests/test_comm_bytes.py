@@ -19,7 +19,7 @@ import torch
 import hf_elixir as hfe
 from equivalence import GLOBAL_BATCH, SEQ, make_optimizer
 from harness import run_distributed
-from hf_elixir.plan import traffic
+from hf_elixir.planner import traffic
 from hf_elixir.runtime import comm as comm_mod
 from tiny_models import make_batch, make_model
 

@@ -15,8 +15,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config
 
 import hf_elixir as hfe
-from hf_elixir.calibrate import ComputeFigures, price
-from hf_elixir.plan import cost, fetches, search
+from hf_elixir.measure.calibrate import ComputeFigures, price
+from hf_elixir.planner import cost, fetches, packing, search
 from hf_elixir.profile import profile_model
 from hf_elixir.profile.trace import EventWork
 
@@ -57,7 +57,7 @@ def test_layout_sizes_are_the_runtimes_chunk_sizes(gpt2):
         chunks = [c.params for c in p.chunks]
         if W == 1:
             em = hfe.ElixirModule(tiny_gpt2(), p)
-            assert [c.size for c in em.chunks] == cost.layout_sizes(chunks, sizes, 1, 4)
+            assert [c.size for c in em.chunks] == packing.layout_sizes(chunks, sizes, 1, 4)
         # the runtime lays chunks out with plan.chunk_layout; an independent statement of
         # its rule: 16-byte aligned offsets, the total rounded to W alignments
         expected = []
@@ -66,7 +66,7 @@ def test_layout_sizes_are_the_runtimes_chunk_sizes(gpt2):
             for n in names:
                 end = -(-end // 4) * 4 + sizes[n]
             expected.append(-(-end // (4 * W)) * (4 * W))
-        assert cost.layout_sizes(chunks, sizes, W, 4) == expected
+        assert packing.layout_sizes(chunks, sizes, W, 4) == expected
 
 
 def test_predicted_persistent_memory_equals_the_ledger(gpt2):
@@ -294,7 +294,7 @@ def test_an_add_across_layouts_is_priced_as_strided():
 
 def _adopting_plan_step(rank: int, world_size: int, plan_json: str) -> dict:
     """Rank body: one training step of the plan; the ledger's peaks."""
-    from hf_elixir.plan.plan import ElixirPlan
+    from hf_elixir.planner.record import ElixirPlan
 
     model = embedding_heavy_gpt2()
     em = hfe.ElixirModule(model, ElixirPlan.from_json(plan_json))
@@ -327,15 +327,15 @@ def test_a_chunk_of_one_parameter_adopts_autograds_gradient():
     sizes = {p.name: p.numel for p in prof.params}
 
     def adopts(c) -> bool:
-        elems = cost.layout_sizes(packings[c.chunk_size], sizes, 2, 4)
-        return 0 in cost.adopting_chunks(packings[c.chunk_size], sizes, elems)
+        elems = packing.layout_sizes(packings[c.chunk_size], sizes, 2, 4)
+        return 0 in packing.adopting_chunks(packings[c.chunk_size], sizes, elems)
 
     c = next(c for c in cands if c.n_chunks >= 3 and adopts(c) and c.n_optim_cpu == 0 and not c.checkpointing)
     assert packings[c.chunk_size][0] == ["transformer.wte.weight"]
     plan = search.materialize(c, packings[c.chunk_size], prof, hw, 2, "float32", "adamw", c.peak)
     per_rank = run_distributed(_adopting_plan_step, 2, plan.to_json())
     mem = plan.predictions["memory"]
-    grad_shards = sum(cost.layout_sizes(packings[c.chunk_size], sizes, 2, 4)) // 2 * 4
+    grad_shards = sum(packing.layout_sizes(packings[c.chunk_size], sizes, 2, 4)) // 2 * 4
     held = mem["parameters"] + mem["master_weights"] + mem["optimizer_state"] + mem["rcache"] + grad_shards
     predicted_buffers = plan.predictions["ledger_peak_bytes"] - held
     for res in per_rank:

@@ -27,7 +27,7 @@ def test_accelerate_example_fine_tunes_a_saved_model(tmp_path) -> None:
     id path is the same from_pretrained call)."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from hf_elixir.demo import DATA, EXAMPLES, train_tokenizer
+    from hf_elixir.cli.demo import DATA, EXAMPLES, train_tokenizer
     from hf_elixir.integrations.launch import default_config, write_config
     from hf_elixir.integrations.plugin import ElixirPlugin
     from harness import free_port

@@ -1,4 +1,4 @@
-"""The planner's replay of the runtime's fetching (``hf_elixir.plan.fetches``) against the
+"""The planner's replay of the runtime's fetching (``hf_elixir.planner.fetches``) against the
 runtime itself: in real two-rank gloo training, every fetch of a steady-state step gathers
 on demand, waits for and prefetches exactly the chunks the replay says, in the same order,
 and the optimizer step starts the same gathers for the next step. The cost model times
@@ -11,8 +11,8 @@ import torch
 import hf_elixir as hfe
 from equivalence import GLOBAL_BATCH, SEQ, make_optimizer
 from harness import run_distributed
-from hf_elixir.plan import fetches
-from hf_elixir.plan.needs import trace_fetch_needs
+from hf_elixir.planner import fetches
+from hf_elixir.profile.needs import trace_fetch_needs
 from hf_elixir.runtime import fetch as fetch_mod
 from hf_elixir.runtime import module as module_mod
 from hf_elixir.runtime.chunk import Chunk

@@ -85,7 +85,7 @@ def test_offloaded_frozen_chunks_train_identically() -> None:
 
 def test_a_plan_made_before_freezing_is_refused() -> None:
     import hf_elixir as hfe
-    from hf_elixir.plan.plan import PlanError
+    from hf_elixir.planner.record import PlanError
     from tiny_models import make_model
 
     model = make_model("gpt2")

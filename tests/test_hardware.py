@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_elixir.hardware import GB, GiB, PRESETS, HardwareError, HardwareProfile, parse_memory
+from hf_elixir.measure import calibrate_machine
 
 REQUIRED = ["a100-40g", "a100-80g", "h100-80g", "h200", "l4", "t4", "v100-32g", "rtx3090", "rtx4090", "cpu"]
 FIGURES = ["device_memory", "h2d_bandwidth", "d2h_bandwidth", "collective_bandwidth", "matmul_flops",
@@ -65,7 +66,7 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
     det = HardwareProfile.detect()
     assert det.device_type in ("cpu", "cuda") and det.device_memory > 0
     assert det.sources["device_memory"] == "measured"
-    cal = HardwareProfile.calibrate(quick=True)
+    cal = calibrate_machine(quick=True)
     for f in ("h2d_bandwidth", "d2h_bandwidth", "matmul_flops", "cpu_adam_throughput", "device_adam_throughput"):
         assert cal.sources[f] == "measured"
     assert cal.h2d_bandwidth > 1e6 and cal.cpu_adam_throughput > 1e5
@@ -105,7 +106,7 @@ def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):
     """The share of all CPU time counted as stolen (the eighth field of /proc/stat's cpu line)
     between the meter's start and now; None where the kernel does not count it. A
     calibration made under steal says so."""
-    from hf_elixir import steal
+    from hf_elixir.measure import steal
 
     stat = tmp_path / "stat"
     monkeypatch.setattr(steal, "_STAT", stat)
@@ -155,7 +156,7 @@ class _SleepingCollectives:
 
 
 def _overlap_of_sleepers(rank: int, world_size: int) -> dict:
-    from hf_elixir.calibrate import comm_overlap
+    from hf_elixir.measure.calibrate import comm_overlap
 
     return comm_overlap(_SleepingCollectives(), quick=True)
 

@@ -12,8 +12,8 @@ from transformers import GPT2Config, GPT2LMHeadModel
 
 from hf_elixir.integrations.planning import make_plan
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
-from hf_elixir.plan.plan import ElixirPlan
-from hf_elixir.plan.search import plan
+from hf_elixir.planner.record import ElixirPlan
+from hf_elixir.planner.search import plan
 from hf_elixir.profile.profiler import model_checkpoints
 from hf_elixir.runtime import ElixirModule, ElixirOptimizer
 

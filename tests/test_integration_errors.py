@@ -17,7 +17,7 @@ from hf_elixir.integrations.launch import LaunchError, read_config
 from hf_elixir.integrations.planning import make_plan
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
 from hf_elixir.integrations.trainer import ElixirTrainingArguments
-from hf_elixir.plan.plan import ElixirPlan, PlanError
+from hf_elixir.planner.record import ElixirPlan, PlanError
 from integration_helpers import SCRIPTS, hf_elixir
 from tiny_models import make_model
 

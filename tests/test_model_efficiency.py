@@ -1,4 +1,4 @@
-"""The planner times the model it plans (hf_elixir.model_efficiency), issue 9.
+"""The planner times the model it plans (hf_elixir.measure.model_efficiency), issue 9.
 
 - A shortened copy keeps the model's first blocks and their values: for every causal-LM
   architecture of the installed transformers where transformers itself can build the same
@@ -25,10 +25,10 @@ from harness import run_distributed
 from tiny_models import make_model
 
 import hf_elixir as hfe
-from hf_elixir import model_efficiency as me
+from hf_elixir.measure import model_efficiency as me
 from hf_elixir.hardware import HardwareProfile
-from hf_elixir.plan import search
-from hf_elixir.plan.plan import PlanError
+from hf_elixir.planner import search
+from hf_elixir.planner.record import PlanError
 from hf_elixir.profile.memory import loss_of
 
 CPU = torch.device("cpu")

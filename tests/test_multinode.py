@@ -26,8 +26,8 @@ from hf_elixir.integrations.launch import (LaunchError, accelerate_view, default
                                            write_config)
 from hf_elixir.integrations.planning import machines_from_env
 from hf_elixir.integrations.plugin import ElixirPlugin
-from hf_elixir.plan.plan import PlanError
-from hf_elixir.plan.search import plan
+from hf_elixir.planner.record import PlanError
+from hf_elixir.planner.search import plan
 from integration_helpers import SCRIPTS, accelerate_launch, check, elixir_launch, max_diff, worker_env
 
 SCRIPT = "trainer_run.py"

@@ -23,8 +23,8 @@ BUDGETS = ("roomy", "tight")
 
 
 def make_plans(arch: str) -> dict[str, str]:
-    from hf_elixir.plan.plan import PlanError
-    from hf_elixir.plan.search import plan
+    from hf_elixir.planner.record import PlanError
+    from hf_elixir.planner.search import plan
     from hf_elixir.profile import profile_model
 
     model = build(arch)
@@ -66,7 +66,7 @@ def reference(arch: str) -> dict:
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("arch", ARCHS)
 def test_searched_plan_trains_like_pytorch_within_predicted_memory(arch, budget):
-    from hf_elixir.plan.plan import ElixirPlan
+    from hf_elixir.planner.record import ElixirPlan
 
     plan = ElixirPlan.from_json(plans()[(arch, budget)])
     per_rank = results()

@@ -22,8 +22,9 @@ import hf_elixir as hfe
 from equivalence import assert_matches
 from harness import run_distributed
 from hf_elixir.hardware import HardwareProfile
-from hf_elixir.plan import cost, search, traffic
-from hf_elixir.plan.plan import ElixirPlan, PlanError, chunked_parameters
+from hf_elixir.planner import cost, packing, search, traffic
+from hf_elixir.planner.record import ElixirPlan, PlanError
+from hf_elixir.profile.params import chunked_parameters
 from hf_elixir.profile import profile_model
 from tiny_models import make_batch, make_model
 
@@ -92,7 +93,7 @@ def test_packing_never_mixes_frozen_and_trainable_parameters() -> None:
             # each kind packed greedily on its own, in first-use order: an adapter between two
             # base weights does not cut the base's chunk (nor the base the adapters' chunk)
             for frozen in (False, True):
-                alone = cost.pack([n for n in prof.param_order() if want[n] == frozen], sizes, S)
+                alone = packing.pack([n for n in prof.param_order() if want[n] == frozen], sizes, S)
                 assert [c for c in chunks if want[c[0]] == frozen] == alone
         plan = hfe.plan(model, PER_RANK, hardware="cpu", world_size=W, dtype="fp32", profile=prof)
         plan.validate(model, world_size=W)  # every chunked parameter, kinds and signature match
@@ -103,9 +104,9 @@ def test_packing_never_mixes_frozen_and_trainable_parameters() -> None:
 def test_pack_keeps_fetch_order_and_plain_packing_without_frozen_parameters() -> None:
     sizes = {"a": 4, "la": 1, "b": 4, "lb": 1, "c": 4}
     order = list(sizes)
-    assert cost.pack(order, sizes, 8) == [["a", "la"], ["b", "lb"], ["c"]]
+    assert packing.pack(order, sizes, 8) == [["a", "la"], ["b", "lb"], ["c"]]
     # frozen base a, b, c with adapters la, lb: two kinds, each packed in order, listed by first use
-    assert cost.pack(order, sizes, 8, frozen={"a", "b", "c"}) == [["a", "b"], ["la", "lb"], ["c"]]
+    assert packing.pack(order, sizes, 8, frozen={"a", "b", "c"}) == [["a", "b"], ["la", "lb"], ["c"]]
 
 
 # ---------------------------------------------------------------------- the cost of frozen chunks
@@ -120,8 +121,8 @@ def test_frozen_chunks_are_priced_without_training_state() -> None:
                         efficiency="calibrated")
     mem = roomy.predictions["memory"]
     sizes = {p.name: p.numel for p in prof.params}
-    frozen_elems = sum(cost.layout_sizes([c.params for c in roomy.chunks if c.frozen], sizes, W, 2))
-    train_elems = sum(cost.layout_sizes([c.params for c in roomy.chunks if not c.frozen], sizes, W, 2))
+    frozen_elems = sum(packing.layout_sizes([c.params for c in roomy.chunks if c.frozen], sizes, W, 2))
+    train_elems = sum(packing.layout_sizes([c.params for c in roomy.chunks if not c.frozen], sizes, W, 2))
     assert mem["frozen_shards"] == frozen_elems // W * 2
     assert mem["parameters"] == train_elems // W * 2
     # master (4 B), AdamW state (8 B) and gradient shard (4 B) only for the trainable chunks

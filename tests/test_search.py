@@ -12,11 +12,12 @@ import pytest
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
 from hf_elixir.hardware import GiB, HardwareProfile
-from hf_elixir.plan import fetches
-from hf_elixir.plan.cost import pack
-from hf_elixir.plan.plan import PlanError
-from hf_elixir.plan.search import OFFLOAD_MARGIN, plan
-from hf_elixir.plan.summary import summary
+from hf_elixir.planner import fetches
+from hf_elixir.planner.packing import pack
+from hf_elixir.planner.record import PlanError
+from hf_elixir.planner.candidate import OFFLOAD_MARGIN
+from hf_elixir.planner.search import plan
+from hf_elixir.planner.summary import summary
 from hf_elixir.profile import profile_model
 from hf_elixir.profile.configs import known_config
 
@@ -195,8 +196,8 @@ def test_choice_rule_is_the_one_the_summary_states(request, fixture, world_size)
     """No candidate that fits is predicted faster without offloading more than the chosen plan,
     and the summary labels the choice by that rule (issue 9: the label said "fastest that fits"
     while a faster runner-up that offloaded more was listed)."""
-    from hf_elixir.plan.search import chain, enumerate_candidates
-    from hf_elixir.plan.summary import CHOICE_RULE
+    from hf_elixir.planner.search import chain, enumerate_candidates
+    from hf_elixir.planner.summary import CHOICE_RULE
 
     model, prof = request.getfixturevalue(fixture)
     hw = HardwareProfile.preset("a100-80g")

@@ -6,7 +6,7 @@ header is computed up front from the index; memory therefore stays at about one 
 (two when casting), far below one output shard.
 
 A checkpoint of a model with frozen parameters (a PEFT base, frozen embeddings) does not
-hold them (``sharded.py``), so it cannot be turned into a full model on its own, and export
+hold them (``save.py``), so it cannot be turned into a full model on its own, and export
 refuses it with what to do instead. Rebuilding the frozen part from some other folder would
 need that folder's key names mapped onto the wrapped model's (PEFT renames every base
 weight) and could silently pair the adapters with the wrong base; the run that has the
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any, Optional
@@ -31,38 +30,20 @@ from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.frozen import SavedFrozen
 from hf_elixir.checkpoint.index import INDEX_NAME, UNTRACKED_NAME, resolve, verify_hashes
 from hf_elixir.checkpoint.io import SafetensorsWriter, TensorSpec, dtype_from_name, dtype_name
-from hf_elixir.checkpoint.sharded import _Source
+from hf_elixir.checkpoint.reshard import SavedSlices
+from hf_elixir.vocab import parse_bytes, torch_dtype
 
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "float": torch.float32,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-           "fp16": torch.float16, "float16": torch.float16, "half": torch.float16}
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
 def parse_size(size: int | str) -> int:
     """Bytes from 5GB (powers of 1000, like transformers), 2GiB (powers of 1024) or an int."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(size))
-        if m is None or m.group(2).lower() not in _SIZE_UNITS:
-            raise CheckpointError(f"cannot read size {size!r}; write e.g. '5GB', '500MB', '2GiB' or a byte count")
-        value = int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
-    if value <= 0:
-        raise CheckpointError(f"max_shard_size must be positive, got {size!r}")
-    return value
+    return parse_bytes(size, "max_shard_size", CheckpointError)
 
 
 def parse_dtype(dtype: None | str | torch.dtype) -> Optional[torch.dtype]:
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
-    key = str(dtype).lower().replace("torch.", "")
-    if key not in _DTYPES:
-        raise CheckpointError(f"unsupported export dtype {dtype!r}; use fp32, bf16 or fp16")
-    return _DTYPES[key]
+    return torch_dtype(dtype, CheckpointError)
 
 
 def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
@@ -117,7 +98,7 @@ def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
 
     tmp = atomic.tmp_name(output, os.urandom(6).hex())
     tmp.mkdir(parents=True)
-    source = _Source(path, index)
+    source = SavedSlices(path, index)
     largest = 0
     try:
         for fname, shard in zip(names, shards):
@@ -184,7 +165,7 @@ def _numel(shape) -> int:
     return n
 
 
-def _assemble(source: _Source, key: str, entry: dict) -> torch.Tensor:
+def _assemble(source: SavedSlices, key: str, entry: dict) -> torch.Tensor:
     """One whole tensor: from the fp32 slices of a chunked parameter, or from the untracked file."""
     if key in source.params:
         out = torch.empty(entry["numel"], dtype=torch.float32)

@@ -49,6 +49,7 @@ import torch
 
 from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.io import dtype_from_name, dtype_name
+from hf_elixir.runtime import state
 
 FINGERPRINT = "sum-fmix32x2-v1"
 _MASK = 0xFFFFFFFF
@@ -110,19 +111,14 @@ class SavedFrozen:
 
 
 # ---------------------------------------------------------------------- the runtime's frozen state
-def frozen_chunks(emodel) -> list:
-    return [c for c in emodel.chunks if c.frozen]
-
-
-def frozen_slots(emodel) -> list:
-    """Every frozen parameter's slot, in the plan's parameter order."""
-    return [s for c in frozen_chunks(emodel) for s in c.slots]
+def frozen_slots(emodel) -> list[state.ParameterLayout]:
+    """Every frozen parameter, in the plan's parameter order."""
+    return state.parameter_layouts(emodel, frozen=True)
 
 
 def held_dtype(emodel) -> torch.dtype:
     """The dtype frozen shards are held in (the compute dtype)."""
-    chunks = frozen_chunks(emodel)
-    return chunks[0].shard.dtype if chunks else emodel.dtype
+    return state.frozen_dtype(emodel)
 
 
 def digest_dtypes_for_save(held: torch.dtype) -> list[torch.dtype]:
@@ -210,13 +206,13 @@ def local_partials(emodel, dtypes: list[torch.dtype]) -> dict[str, dict[str, lis
     elements of its own frozen shards (no collective; parameters with no element here are
     absent). Combine the ranks' partials with ``combine``."""
     out: dict[str, dict[str, list[int]]] = {}
-    device = emodel.device if emodel.device.type != "cpu" else None
-    for chunk in frozen_chunks(emodel):
-        for slot, b, e, first in chunk.local_slices():
-            values = chunk.shard[b:e]
-            per_dtype = out.setdefault(slot.name, {})
+    device = state.compute_device(emodel)
+    device = device if device.type != "cpu" else None
+    for piece in state.local_slices(emodel, frozen=True):
+        if piece.frozen:
+            per_dtype = out.setdefault(piece.name, {})
             for dtype in dtypes:
-                sums = _lane_sums(values, first, device, dtype).tolist()
+                sums = _lane_sums(piece.master, piece.begin, device, dtype).tolist()
                 have = per_dtype.setdefault(dtype_name(dtype), [0, 0])
                 per_dtype[dtype_name(dtype)] = [(a + s) & _MASK for a, s in zip(have, sums)]
     return out
@@ -242,7 +238,7 @@ def combine(partials: list[dict[str, dict[str, list[int]]]], names: list[str],
 
 def index_entry(emodel, digests: dict[str, dict[str, str]]) -> dict[str, Any]:
     """The index's ``frozen`` entry for this model, from the combined digests."""
-    records = [FrozenRecord(s.name, tuple(s.shape), dtype_name(s.orig_dtype), s.numel, digests[s.name])
+    records = [FrozenRecord(s.name, tuple(s.shape), dtype_name(s.dtype), s.numel, digests[s.name])
                for s in frozen_slots(emodel)]
     return {"fingerprint": FINGERPRINT, "held_dtype": dtype_name(held_dtype(emodel)),
             "params": [r.to_dict() for r in records]}

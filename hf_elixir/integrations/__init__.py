@@ -1,4 +1,4 @@
-"""hf_elixir inside Accelerate and the Transformers Trainer (DESIGN.md section 6).
+"""hf_elixir inside Accelerate and the Transformers Trainer (docs/design.md, "Integrations").
 
 ``ElixirPlugin`` (options), ``ElixirAccelerator`` and ``ElixirTrainer`` /
 ``ElixirTrainingArguments``; ``launch.py`` backs ``hf-elixir config`` and ``hf-elixir launch``.

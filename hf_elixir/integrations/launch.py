@@ -25,13 +25,14 @@ import yaml
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
 from hf_elixir.runtime.host_memory import TUNABLE_ENV, rank_tunables
+from hf_elixir.vocab import HfElixirError
 
 BOOTSTRAP = "hf_elixir.integrations.bootstrap"
 SECTION = "elixir"
 SHARDING_TYPES = ("DEEPSPEED", "FSDP", "MEGATRON_LM")
 
 
-class LaunchError(RuntimeError):
+class LaunchError(HfElixirError, RuntimeError):
     """The launch could not start, or a worker failed; the message says which and why."""
 
 

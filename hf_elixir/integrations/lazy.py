@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.integrations.planning import batch_shape_from_inputs
-from hf_elixir.plan.plan import ElixirPlan
+from hf_elixir.planner.record import ElixirPlan
 from hf_elixir.runtime import ElixirModule
+from hf_elixir.vocab import HfElixirError
 
 # attributes ElixirModule.__init__ creates; read before the first forward they get a clear error
 _RUNTIME_ATTRIBUTES = frozenset({
@@ -34,7 +35,7 @@ _RUNTIME_ATTRIBUTES = frozenset({
 })
 
 
-class NotShardedYetError(RuntimeError, AttributeError):
+class NotShardedYetError(HfElixirError, RuntimeError, AttributeError):
     """The model plans on its first forward and has not run one. An AttributeError too, so
     ``getattr(model, "plan", None)`` and ``hasattr`` answer as for an attribute not there yet."""
 

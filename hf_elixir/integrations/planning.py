@@ -15,8 +15,10 @@ import torch
 from torch import nn
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
-from hf_elixir.plan.plan import ElixirPlan, PlanError
+from hf_elixir.planner.record import ElixirPlan, PlanError
 from hf_elixir.profile.profiler import model_checkpoints
+from hf_elixir.vocab import torch_dtype
+from hf_elixir.planner.search import plan as search
 
 # accelerate's mixed_precision names -> hf_elixir compute dtypes
 MIXED_PRECISION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
@@ -97,7 +99,7 @@ def make_plan(
             ) from None
         return plan
     if plugin.pinned:
-        itemsize = torch.empty((), dtype=_torch_dtype(dtype)).element_size()
+        itemsize = torch.empty((), dtype=torch_dtype(dtype)).element_size()
         chunk = None if plugin.chunk_size_mb is None else max(1, int(plugin.chunk_size_mb * 2**20 / itemsize))
         plan = ElixirPlan.simple(
             model,
@@ -117,7 +119,6 @@ def make_plan(
             "was given none; set the batch_size and seq_len elixir options, or pin the plan "
             "(chunk_size_mb, rcache_blocks, offload) or give a plan file"
         )
-    from hf_elixir.plan.search import plan as search
 
     return search(
         model,
@@ -130,10 +131,6 @@ def make_plan(
         efficiency=plugin.efficiency,
         nodes=machines,
     )
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}.get(name, torch.float32)
 
 
 def batch_shape_from_loader(loader) -> Optional[tuple[int, int]]:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
+from hf_elixir.vocab import HfElixirError
 
 USE_ENV = "ACCELERATE_USE_ELIXIR"
 ENV_PREFIX = "ELIXIR_"
@@ -28,7 +29,7 @@ CHECKPOINTING_WORDS = ("auto", "on", "off")
 EFFICIENCY_WORDS = ("auto", "measure", "calibrated")
 
 
-class ElixirConfigError(ValueError):
+class ElixirConfigError(HfElixirError, ValueError):
     """An hf_elixir option with an unknown name or a value it cannot take."""
 
 
@@ -50,41 +51,37 @@ def elixir_requested() -> bool:
     return env_flag(USE_ENV)
 
 
+def _option(help: str, default: str) -> Any:
+    """A plugin option: unset (None) until given or read from the environment. Its help and
+    the words for its default are kept here, once: the CLI's flags and the README's options
+    table are made from them (``options_table``; a test keeps the README's copy equal)."""
+    return field(default=None, metadata={"help": help, "default": default})
+
+
 @dataclass
 class ElixirPlugin:
     """How hf_elixir plans and runs; every field left unset reads ``ELIXIR_<FIELD>``.
 
-    Attributes:
-        plan: "auto" (profile the model and search for the fastest plan that fits) or the
-            path of a plan JSON written by ``hf-elixir plan --json``.
-        gpu_memory: memory per device the plan may use ("24GiB", "80GB"); default: the
-            device's own memory.
-        hardware: a hardware preset for the cost model (``hf-elixir plan --help`` lists them);
-            default: this machine (``HardwareProfile.detect()``).
-        chunk_size_mb, rcache_blocks, offload, activation_checkpointing: pin one decision
-            instead of letting the search make it. ``offload`` is "auto", "none", "all" or the
-            fraction of optimizer state kept in CPU memory (0.0 to 1.0); checkpointing is
-            "auto", "on" or "off". Pinning any of them replaces the search by a fixed plan
-            (``ElixirPlan.simple``) built from the pinned values, because the search has no
-            notion of a partly fixed plan.
-        batch_size, seq_len: the per-device micro-batch to plan for; default: the shape of the
-            training data loader's first batch.
-        efficiency: how the search prices the model's compute (``hfe.plan``'s argument):
-            "auto" (default: every rank times the model for a few seconds before planning,
-            when the hardware is this machine's calibration), "measure", "calibrated" (no
-            timing) or a number.
+    Each field's help is on the field itself (``options_table()`` renders them). Pinning any
+    of ``chunk_size_mb``, ``rcache_blocks``, ``offload`` or ``activation_checkpointing``
+    replaces the search by a fixed plan (``ElixirPlan.simple``) built from the pinned values,
+    because the search has no notion of a partly fixed plan.
     """
 
-    plan: Optional[str] = None
-    gpu_memory: Optional[str] = None
-    hardware: Optional[str] = None
-    chunk_size_mb: Optional[float] = None
-    rcache_blocks: Optional[int] = None
-    offload: Optional[Union[str, float]] = None
-    activation_checkpointing: Optional[str] = None
-    batch_size: Optional[int] = None
-    seq_len: Optional[int] = None
-    efficiency: Optional[Union[str, float]] = None
+    plan: Optional[str] = _option(
+        "`auto` (profile and search) or a plan JSON from `hf-elixir plan --json`", "`auto`")
+    gpu_memory: Optional[str] = _option("memory per device the plan may use (`24GiB`, `80GB`)", "the device's")
+    hardware: Optional[str] = _option("a preset for the cost model (`a100-80g`, `h100-80g`, `cpu`, ...)", "this machine")
+    chunk_size_mb: Optional[float] = _option("pin the chunk size, in MiB", "searched")
+    rcache_blocks: Optional[int] = _option("pin the number of gathered chunks kept (rCache blocks)", "searched")
+    offload: Optional[Union[str, float]] = _option(
+        "`auto`, `none`, `all`, or the fraction of optimizer state in CPU memory (0-1)", "`auto`")
+    activation_checkpointing: Optional[str] = _option("`auto`, `on` or `off`", "`auto`")
+    batch_size: Optional[int] = _option("the per-device micro-batch to plan for", "the first training batch")
+    seq_len: Optional[int] = _option("the sequence length to plan for", "the first training batch")
+    efficiency: Optional[Union[str, float]] = _option(
+        "how the search prices compute: `auto` (time the model first on a calibrated machine), "
+        "`measure`, `calibrated`, or a number", "`auto`")
     _from_env: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -197,6 +194,19 @@ class ElixirPlugin:
 
 def option_fields():
     return [f for f in fields(ElixirPlugin) if not f.name.startswith("_")]
+
+
+def option_help(name: str) -> str:
+    """One option's help, as plain text (the CLI's flags)."""
+    f = next(f for f in option_fields() if f.name == name)
+    return f"{f.metadata['help']} (default: {f.metadata['default']})".replace("`", "")
+
+
+def options_table() -> str:
+    """The options as a Markdown table (the README carries this exact text)."""
+    rows = ["| option | values | default |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {f.metadata['help']} | {f.metadata['default']} |" for f in option_fields()]
+    return "\n".join(rows)
 
 
 def env_name(option: str) -> str:

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
+from hf_elixir.profile.trace import build_meta_model
+
 
 def decoder_blocks(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The model's transformer blocks: its ``nn.ModuleList`` of same-class modules holding
@@ -89,8 +91,6 @@ def meta_lora_model(model_or_config: Any, r: int, targets: Sequence[str] | None 
         ImportError: peft is not installed.
         ValueError: a bad rank, or targets that name no module of the model.
     """
-    from hf_elixir.profile.trace import build_meta_model
-
     if r < 1:
         raise ValueError(f"the LoRA rank must be >= 1, got {r}")
     try:

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_elixir.plan.plan import DTYPE_BYTES, canonical_dtype, chunked_parameters, detect_fetch_units
+from hf_elixir.profile.params import chunked_parameters, detect_fetch_units
+from hf_elixir.vocab import DTYPE_BYTES, canonical_dtype
 from hf_elixir.profile.memory import LiveStorageTracker, StepMemory, run_step
 from hf_elixir.profile.trace import (
     EventWork,

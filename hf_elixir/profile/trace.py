@@ -26,8 +26,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from hf_elixir.grad_marks import alias_inputs, on_output_grad
-from hf_elixir.plan.plan import canonical_dtype, detect_fetch_units
+from hf_elixir.profile.grad_marks import alias_inputs, on_output_grad
+from hf_elixir.profile.params import detect_fetch_units
+from hf_elixir.vocab import torch_dtype as _torch_dtype
 from hf_elixir.profile.memory import LiveStorageTracker
 
 Phase = str  # "forward" | "backward" | "recompute"
@@ -65,12 +66,6 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32")
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(model_or_config, dtype=torch_dtype)
     return model
-
-
-def _torch_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[
-        canonical_dtype(dtype)
-    ]
 
 
 def make_batch(
@@ -336,7 +331,7 @@ class ExecutionTracer:
     """Module hooks that fill a ``Trace`` while the model runs one step.
 
     Besides the fetch order it records when each fetch unit's chunks are pinned and
-    unpinned, with exactly the runtime's rules (``hf_elixir.grad_marks``): pinned from
+    unpinned, with exactly the runtime's rules (``hf_elixir.profile.grad_marks``): pinned from
     pre-forward to post-forward, and in backward from its outputs' first gradient until the
     gradients of its inputs are complete. ``Trace.pins`` is what ``rcache_minimum`` replays.
     """

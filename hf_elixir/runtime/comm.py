@@ -18,7 +18,7 @@ GPU machine whose default group is NCCL gets gloo groups). Callers move host ten
 never meet in one call.
 
 Every collective is counted in ``Collectives.counter`` (bytes received per rank, by kind;
-the convention is in ``hf_elixir.plan.traffic``), so ``ElixirModule.comm_report()`` can say
+the convention is in ``hf_elixir.planner.traffic``), so ``ElixirModule.comm_report()`` can say
 what a step moved and the planner's prediction can be checked against it.
 
 The tensor collectives changed names in torch 2.13 (``all_gather_single``,
@@ -36,7 +36,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from hf_elixir.plan.traffic import COLLECTIVES_ENV, CommCounter, host_collectives
+from hf_elixir.planner.traffic import COLLECTIVES_ENV, CommCounter, host_collectives
 
 
 class _WaitAll:

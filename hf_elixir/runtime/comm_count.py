@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_elixir.plan.traffic import CommCounter
+from hf_elixir.planner.traffic import CommCounter
 
 # op name -> (kind, the argument holding the buffer the convention measures: the gathered
 # output of an all-gather, the full input of a reduce-scatter)

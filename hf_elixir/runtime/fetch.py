@@ -16,9 +16,10 @@ import torch
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState
 from hf_elixir.runtime.ledger import MemoryLedger
+from hf_elixir.vocab import HfElixirError
 
 
-class RCacheTooSmall(RuntimeError):
+class RCacheTooSmall(HfElixirError, RuntimeError):
     pass
 
 

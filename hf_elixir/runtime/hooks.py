@@ -4,7 +4,7 @@ For a module that owns chunked parameters:
 - pre-forward: fetch (gather and pin) its chunks; hand it aliases of its grad-requiring
   inputs whose gradient hook tells us when its backward is done;
 - post-forward: unpin; hook its grad-requiring outputs so its chunks are fetched again
-  before autograd runs its backward (see ``hf_elixir.grad_marks``: the model may modify
+  before autograd runs its backward (see ``hf_elixir.profile.grad_marks``: the model may modify
   both in place);
 - each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
 At the end of every backward (an autograd engine callback) leftover pins are dropped and
@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from hf_elixir.grad_marks import alias_inputs, on_output_grad
+from hf_elixir.profile.grad_marks import alias_inputs, on_output_grad
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.fetch import Fetcher

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hf_elixir.plan.plan import ElixirPlan, PlanError, chunk_layout
+from hf_elixir.planner.record import ElixirPlan, PlanError, chunk_layout
 from hf_elixir.profile.profiler import enable_checkpointing, model_checkpoints
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
@@ -29,7 +29,7 @@ from hf_elixir.runtime.hooks import HookManager
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.reduce import GradReducer
-from hf_elixir.runtime.released import attach_reader, mark_released
+from hf_elixir.runtime.released import mark_released
 
 _WRAPPED_ATTR = "_hf_elixir_wrapped"
 
@@ -445,7 +445,7 @@ class ElixirModule(nn.Module):
     def comm_report(self, reset: bool = False) -> dict:
         """Bytes this rank received since the last reset, by kind (``bytes``: all_gather,
         reduce_scatter, all_reduce, broadcast, host_to_device, device_to_host; the convention
-        is in ``hf_elixir.plan.traffic``), the calls by kind, and what they are per: optimizer
+        is in ``hf_elixir.planner.traffic``), the calls by kind, and what they are per: optimizer
         ``steps``, ``forward_passes`` (calls of this module) and ``backward_passes``.
         ``reset=True`` starts a new count after reading this one. A gather the optimizer
         step prefetches for the next pass counts in the window it is issued in, so a window

@@ -274,6 +274,18 @@ class ElixirOptimizer(Optimizer):
             self.scaler.load_state_dict(state_dict["loss_scaler"])
 
     # ------------------------------------------------------------------ step
+    def momentum_started(self, slot: int) -> bool:
+        """Whether SGD's momentum buffer of the parameter at plan position ``slot`` holds a
+        value yet (SGD starts it from the first gradient, not from zeros)."""
+        return slot in self._momentum_started
+
+    def set_momentum_started(self, slot: int, started: bool) -> None:
+        """Restore that flag (a checkpoint load, a re-plan)."""
+        if started:
+            self._momentum_started.add(slot)
+        else:
+            self._momentum_started.discard(slot)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.module.zero_grad(set_to_none=set_to_none)
         self._grads_unscaled = False

@@ -26,7 +26,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from hf_elixir.plan.cost import REDUCTIONS_IN_FLIGHT, adopts_gradient
+from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
+from hf_elixir.planner.packing import adopts_gradient
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
 from hf_elixir.runtime.ledger import MemoryLedger

@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 import torch
+from hf_elixir.vocab import HfElixirError
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -79,7 +80,7 @@ def _shape_answers() -> dict[Callable, Callable[[torch.Size, tuple, dict], Any]]
 _SHAPES = _shape_answers()
 
 
-class ReleasedParameterError(RuntimeError):
+class ReleasedParameterError(HfElixirError, RuntimeError):
     """A parameter whose chunk is released was read where the runtime cannot gather it."""
 
 

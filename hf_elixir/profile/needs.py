@@ -16,6 +16,11 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from hf_elixir.profile.trace import build_meta_model
+from hf_elixir.profile.memory import run_step
+from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing
+from hf_elixir.profile.trace import ExecutionTracer, find_borrowed_reads, make_batch
+
 
 @dataclass
 class FetchNeeds:
@@ -64,8 +69,6 @@ def trace_fetch_needs(model: nn.Module, example_batch: Any, fetch_units: Sequenc
     """Trace one step of a meta copy of ``model`` (never touching its memory) and return
     what it needs. Where the meta device cannot run the model, the real model runs one
     step instead (gradients dropped, RNG restored)."""
-    from hf_elixir.profile.trace import build_meta_model
-
     try:
         with _nonzero_on_meta():
             return _trace(build_meta_model(model), example_batch, fetch_units, checkpointing)
@@ -94,10 +97,6 @@ def _nonzero_on_meta():
 
 def _trace(meta: nn.Module, example_batch: Any, fetch_units: Sequence[str], checkpointing: bool) -> FetchNeeds:
     """One traced step of ``meta`` (a meta copy, or the real model as a fallback)."""
-    from hf_elixir.profile.memory import run_step
-    from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing
-    from hf_elixir.profile.trace import ExecutionTracer, find_borrowed_reads, make_batch
-
     was_training = meta.training
     meta.train()
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)

@@ -37,7 +37,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
-from hf_elixir.plan import fetches
+from hf_elixir.planner import fetches
+from hf_elixir.planner.record import chunk_layout
+from hf_elixir.profile.needs import trace_fetch_needs
 
 KINDS = ("all_gather", "reduce_scatter", "all_reduce", "broadcast", "host_to_device", "device_to_host")
 COLLECTIVE_KINDS = KINDS[:4]
@@ -111,7 +113,7 @@ def gathers_per_chunk(pins: Sequence[tuple[str, str]], module_params: Mapping[st
                       world_size: int, param_cpu: frozenset[int] = frozenset(),
                       frozen: frozenset[int] = frozenset()) -> list[int]:
     """Per chunk, the gathers one steady-state training step starts: the runtime's fetching
-    replayed over the traced pin sequence (``Trace.pins``; ``hf_elixir.plan.fetches``),
+    replayed over the traced pin sequence (``Trace.pins``; ``hf_elixir.planner.fetches``),
     the gathers the step's optimizer step starts for the next one included. With a block
     for every chunk, each trainable chunk the pass uses is gathered exactly once, and a
     ``frozen`` one not at all (it stays gathered from one step to the next)."""
@@ -195,8 +197,6 @@ def plan_traffic(plan, param_numels: Mapping[str, int], gathers: Sequence[int], 
     """``step_traffic`` for an ``ElixirPlan``: chunk sizes laid out as the runtime lays them
     out (``chunk_layout``), placements and dtype from the plan; ``param_numels`` gives each
     chunked parameter's element count, ``gathers`` the gathers per chunk per step."""
-    from hf_elixir.plan.plan import chunk_layout
-
     itemsize = plan.dtype.itemsize
     numels = [chunk_layout([param_numels[n] for n in c.params], itemsize, plan.world_size)[0]
               for c in plan.chunks]
@@ -213,8 +213,6 @@ def plan_traffic(plan, param_numels: Mapping[str, int], gathers: Sequence[int], 
 def traced_gathers(plan, model, example_batch) -> list[int]:
     """Gathers per chunk per step for ``plan`` on ``model``, from one traced step on the meta
     device (what ``ElixirPlan.simple`` traces), for plans that carry no search predictions."""
-    from hf_elixir.plan.needs import trace_fetch_needs
-
     needs = trace_fetch_needs(model, example_batch, plan.fetch_units, plan.activation_checkpointing)
     on_host = frozenset(i for i, c in enumerate(plan.chunks) if c.param_placement == "cpu")
     return gathers_per_chunk(needs.pins, needs.module_params, [c.params for c in plan.chunks],

@@ -1,6 +1,6 @@
 """The plan search: the fastest plan whose predicted peak memory fits the budget.
 
-Enumerated, for each candidate chunk size (``cost.chunk_size_candidates``; parameters packed
+Enumerated, for each candidate chunk size (``packing.chunk_size_candidates``; parameters packed
 in forward first-use order, frozen ones into chunks of their own): activation checkpointing
 on/off, rCache blocks (from the minimum usable, a module's chunk span plus the prefetch
 room, up to every chunk), prefetch depth 0-2, the number of tail frozen chunks whose shards
@@ -25,89 +25,30 @@ candidate — no offload, every chunk cached — is chosen.
 
 from __future__ import annotations
 
-import math
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from hf_elixir import calibrate
-from hf_elixir.hardware import HardwareProfile, format_bytes, parse_memory
-from hf_elixir.plan import cost, fetches, traffic
-from hf_elixir.plan.needs import rcache_minimum
-from hf_elixir.plan.plan import (ChunkPlan, ElixirPlan, PlanError, canonical_dtype, chunked_parameters,
-                                 model_signature)
+from hf_elixir.hardware import HardwareProfile, parse_memory
+from hf_elixir.planner import cost, fetches, packing, pricing, traffic
+from hf_elixir.planner.candidate import Candidate, chain, signature
+from hf_elixir.planner.efficiency import compute_figures, model_efficiency
+from hf_elixir.planner.record import ChunkPlan, ElixirPlan, PlanError, canonical_dtype
+from hf_elixir.planner.verdict import alternatives as _alternatives, infeasible as _infeasible
+from hf_elixir.profile.needs import rcache_minimum
+from hf_elixir.profile.params import chunked_parameters, model_signature
 from hf_elixir.profile.profiler import ModelProfile, model_checkpoints, profile_model
+from hf_elixir.vocab import format_bytes
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PREFETCH_DEPTHS = (0, 1, 2)
-#: an offloading plan must be predicted this much faster to be chosen over one that does not
-#: offload: its overlap with compute is the least certain part of the cost model
-OFFLOAD_MARGIN = 0.02
 MAX_GRID = 128
 #: most counts of offloaded frozen chunks tried per (chunk size, checkpointing, rCache,
 #: prefetch): each needs its own simulated step
 FROZEN_GRID = 8
-
-
-@dataclass
-class Candidate:
-    chunk_size: int
-    n_chunks: int
-    checkpointing: bool
-    rcache_blocks: int
-    prefetch_depth: int
-    n_optim_cpu: int
-    n_param_cpu: int
-    peak: float
-    step_time: float
-    comm_bytes: float
-    pcie_bytes: float
-    memory: dict[str, int]
-    time: dict[str, float]
-    gathers: int
-    ledger_peak: int = 0  # what the runtime's ledger holds at its own peak
-    n_frozen: int = 0       # chunks that hold frozen parameters (among n_chunks)
-    n_frozen_cpu: int = 0   # the last of them whose shards live on the CPU
-
-    @property
-    def n_trainable(self) -> int:
-        return self.n_chunks - self.n_frozen
-
-    @property
-    def optim_offload(self) -> float:
-        """Share of the trainable chunks whose optimizer runs on the CPU."""
-        return self.n_optim_cpu / max(1, self.n_trainable)
-
-    @property
-    def param_offload(self) -> float:
-        """Share of the trainable chunks whose parameter shards live on the CPU."""
-        return self.n_param_cpu / max(1, self.n_trainable)
-
-    @property
-    def frozen_offload(self) -> float:
-        """Share of the frozen chunks whose shards live on the CPU."""
-        return self.n_frozen_cpu / max(1, self.n_frozen)
-
-    def key(self) -> tuple:
-        """What the search ranks by: predicted time, offloading plans charged
-        ``OFFLOAD_MARGIN`` extra (see the module docstring), then bytes moved, then memory."""
-        offloads = self.n_optim_cpu or self.n_param_cpu or self.n_frozen_cpu
-        margin = 1.0 + OFFLOAD_MARGIN if offloads else 1.0
-        return (round(self.step_time * margin * 1e9), round(self.comm_bytes), round(self.pcie_bytes), self.peak)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "chunk_size": self.chunk_size, "n_chunks": self.n_chunks,
-            "activation_checkpointing": self.checkpointing, "rcache_blocks": self.rcache_blocks,
-            "prefetch_depth": self.prefetch_depth, "optim_offload_chunks": self.n_optim_cpu,
-            "param_offload_chunks": self.n_param_cpu, "frozen_chunks": self.n_frozen,
-            "frozen_offload_chunks": self.n_frozen_cpu, "peak_bytes": int(self.peak),
-            "step_time_s": self.step_time, "memory": dict(self.memory), "time": dict(self.time),
-            "gathers_per_step": self.gathers,
-        }
 
 
 def _grid(lo: int, hi: int, limit: int = MAX_GRID) -> list[int]:
@@ -128,64 +69,6 @@ def _rcache_grid(lo: int, hi: int) -> list[int]:
     return sorted(v for v in vals if lo <= v <= hi)
 
 
-# ---------------------------------------------------------------------- compute figures
-def compute_figures(profile: ModelProfile, hw: HardwareProfile, world_size: int,
-                    efficiency: float | None = None) -> calibrate.ComputeFigures:
-    """The figures one rank's compute is priced with: the calibrated ones, at ``efficiency``
-    when this model's own was measured, else at the calibrated one for its width."""
-    figs = hw.compute_figures(min(world_size, hw.gpus_per_node))
-    if efficiency is not None:
-        return replace(figs, efficiency=efficiency)
-    return figs.for_width(profile.hidden_size)
-
-
-def local_device_type() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-def model_efficiency(mode: float | str, model: Any, profile: ModelProfile, hw: HardwareProfile,
-                     world_size: int, compute_dtype: str) -> dict[str, Any]:
-    """What the plan's compute is priced at, and where that figure comes from.
-
-    ``mode``: a number (taken as it is), ``"calibrated"`` (the calibration's width curve),
-    ``"measure"`` (time this model here), or ``"auto"``: measure when ``hw`` holds figures
-    calibrated on a machine of this kind, since only then are the model's timings and the
-    prices comparable. Returns ``{"value": float | None, "source": str, ...details}``.
-    """
-    from hf_elixir import model_efficiency as measuring
-
-    if isinstance(mode, (int, float)) and not isinstance(mode, bool):
-        if mode <= 0:
-            raise PlanError(f"efficiency must be a positive number, got {mode}")
-        return {"value": float(mode), "source": "given"}
-    if mode not in ("auto", "measure", "calibrated"):
-        raise PlanError(f"efficiency must be a number, 'auto', 'measure' or 'calibrated'; got {mode!r}")
-    local = bool(hw.compute) and hw.device_type == local_device_type()
-    # a model on the meta device (``hf_elixir.profile.lora``'s LoRA fine-tunes) has no values
-    # to run: only its config could be timed, and it is not at hand
-    on_meta = isinstance(model, nn.Module) and any(p.is_meta for p in model.parameters())
-    if mode == "measure" and on_meta:
-        raise PlanError("efficiency='measure' times the model, but this one is on the meta device (no "
-                        "values to run): pass the real model or its config, or efficiency='calibrated'")
-    if mode == "calibrated" or (mode == "auto" and (not local or on_meta)):
-        return {"value": None, "source": "calibrated"}
-    if not local:
-        raise PlanError(
-            f"efficiency='measure' times the model on this machine, but the hardware profile "
-            f"{hw.name!r} is not a calibration of it (a {local_device_type()} machine): run "
-            "`hf-elixir calibrate` and plan with HardwareProfile.detect(), or pass efficiency='calibrated'"
-        )
-    figs = hw.compute_figures(min(world_size, hw.gpus_per_node))
-    priced = sum(calibrate.price(w, figs, compute_dtype, efficiency=1.0) for w in profile.plain.trace.work)
-    device = torch.device("cuda", torch.cuda.current_device()) if hw.device_type == "cuda" else torch.device("cpu")
-    found = measuring.measure(model, (profile.batch_size, profile.seq_len), figs, device, compute_dtype,
-                              ranks_per_node=min(world_size, hw.gpus_per_node), priced_whole=priced,
-                              device_memory=hw.device_memory)
-    if found is None:
-        return {"value": None, "source": "calibrated"}
-    return {"value": found.efficiency, "source": "measured", **found.as_dict()}
-
-
 # ---------------------------------------------------------------------- enumeration
 def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size: int,
                          compute_dtype: str, optimizer: str,
@@ -203,13 +86,13 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     ranks_per_node = min(world_size, hw.gpus_per_node)
     figs = compute_figures(profile, hw, world_size, efficiency)
     # each fetch event: its operators, plus what the runtime's hooks cost around them
-    price = lambda w: calibrate.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
+    price = lambda w: pricing.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
     context = hw.context_bytes if hw.device_type == "cuda" else 0
     modes = [False] + ([True] if profile.checkpointed is not None else [])
     packings: dict[int, list[list[str]]] = {}
     out: list[Candidate] = []
-    for S in cost.chunk_size_candidates(sizes.values(), world_size):
-        chunks = cost.pack(order, sizes, S, frozen_names)
+    for S in packing.chunk_size_candidates(sizes.values(), world_size):
+        chunks = packing.pack(order, sizes, S, frozen_names)
         packings[S] = chunks
         n = len(chunks)
         frozen = frozen_chunk_ids(chunks, frozen_names)
@@ -217,9 +100,9 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
         fz = sorted(frozen)
         nt, nf = len(trainable), len(fz)
         param_chunk = {name: i for i, c in enumerate(chunks) for name in c}
-        elems = cost.layout_sizes(chunks, sizes, world_size, cb)
+        elems = packing.layout_sizes(chunks, sizes, world_size, cb)
         chunk_bytes = [e * cb for e in elems]
-        adopted = cost.adopting_chunks(chunks, sizes, elems) - frozen
+        adopted = packing.adopting_chunks(chunks, sizes, elems) - frozen
         links = cost.Links.of(hw, world_size, figs)
         for ckpt in modes:
             step = profile.step(ckpt)
@@ -265,7 +148,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
 
 
 def frozen_chunk_ids(chunks: list[list[str]], frozen_names: frozenset[str] | set[str]) -> frozenset[int]:
-    """The chunks of a packing (``cost.pack``) that hold frozen parameters: a chunk holds one
+    """The chunks of a packing (``packing.pack``) that hold frozen parameters: a chunk holds one
     kind only, so its first parameter tells."""
     return frozenset(i for i, c in enumerate(chunks) if c and c[0] in frozen_names)
 
@@ -296,7 +179,7 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.Si
     """Candidate ``k`` optimizer-offloaded, ``p`` parameter-offloaded trainable chunks and
     ``f`` offloaded frozen chunks (the tails of each kind) with one simulated step."""
     hw, n, cb, W = x.hw, x.n, x.cb, x.W
-    places = cost.Placements.tails(n, x.frozen, k, p, f)
+    places = packing.Placements.tails(n, x.frozen, k, p, f)
     nt = len(x.trainable)
     # one rank adds gradients straight into device gradient shards: only chunks whose
     # optimizer (and so gradient shard) is offloaded need a full-chunk buffer
@@ -352,22 +235,6 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.Si
     )
 
 
-def chain(cands: list[Candidate]) -> list[Candidate]:
-    """The budget-independent selection chain (see the module docstring)."""
-    # among equals, the largest rCache (at world size 1 it costs nothing: shards are blocks)
-    ordered = sorted(cands, key=lambda c: (c.peak, c.key(), -c.rcache_blocks))
-    kept: list[Candidate] = []
-    for c in ordered:
-        if not kept:
-            kept.append(c)
-            continue
-        last = kept[-1]
-        if (c.key() < last.key() and c.optim_offload <= last.optim_offload
-                and c.param_offload <= last.param_offload and c.frozen_offload <= last.frozen_offload):
-            kept.append(c)
-    return kept
-
-
 # ---------------------------------------------------------------------- public entry point
 def plan(
     model: nn.Module | Any,
@@ -404,7 +271,7 @@ def plan(
         efficiency: how the step's compute is priced against the per-operator figures.
             ``"auto"``: when ``hardware`` is a calibration of this machine, the model is
             timed here at its micro-batch with every local rank busy (a few seconds, up to
-            about a minute for a large CPU model; ``hf_elixir.model_efficiency``), else the
+            about a minute for a large CPU model; ``hf_elixir.measure.model_efficiency``), else the
             calibrated efficiency for its width is used. ``"measure"`` always times it,
             ``"calibrated"`` never does, and a number is taken as the efficiency. The plan's
             ``predictions["compute_efficiency"]`` says which was used.
@@ -485,7 +352,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
     sizes = {p.name: p.numel for p in profile.params}
     n = len(chunks)
     frozen = frozen_chunk_ids(chunks, {p.name for p in profile.params if p.frozen})
-    places = cost.Placements.tails(n, frozen, c.n_optim_cpu, c.n_param_cpu, c.n_frozen_cpu)
+    places = packing.Placements.tails(n, frozen, c.n_optim_cpu, c.n_param_cpu, c.n_frozen_cpu)
     plan_chunks = [
         ChunkPlan(params=list(ch),
                   optim_placement="cpu" if i in places.optim_cpu else "device",
@@ -498,7 +365,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
     tokens = profile.batch_size * profile.seq_len * W
     step = profile.step(c.checkpointing)
     cb = cost.DTYPE_BYTES[compute_dtype]
-    frozen_shards = sum(cost.layout_sizes([chunks[i] for i in frozen], sizes, W, cb)) // W * cb
+    frozen_shards = sum(packing.layout_sizes([chunks[i] for i in frozen], sizes, W, cb)) // W * cb
     predictions = {
         "peak_bytes": int(c.peak),
         "budget_bytes": int(budget),
@@ -566,7 +433,7 @@ def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: Hardwar
     W, dtype = chosen.world_size, chosen.compute_dtype
     efficiency = chosen.predictions.get("compute_efficiency", {}).get("value")
     cands, packings = enumerate_candidates(profile, hw, W, dtype, optimizer, efficiency)
-    keyed = {_signature(c): c for c in cands}
+    keyed = {signature(c): c for c in cands}
     out = []
     for alt in chosen.alternatives:
         sig = (alt["chunk_size"], alt["activation_checkpointing"], alt["rcache_blocks"],
@@ -578,11 +445,6 @@ def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: Hardwar
         p.predictions["reason"] = alt.get("reason", "")
         out.append(p)
     return out
-
-
-def _signature(c: Candidate) -> tuple:
-    return (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu,
-            c.n_frozen_cpu)
 
 
 def _resolve_hardware(hardware, world_size, nodes: int | None = None) -> HardwareProfile:
@@ -617,101 +479,3 @@ def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
     per = 4 + cost.OPTIMIZER_STATE_BYTES[optimizer] + 4
     return (c.n_optim_cpu * shard * per
             + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype])
-
-
-def _config_label(c: Candidate) -> str:
-    frozen = f", frozen offload {c.n_frozen_cpu}/{c.n_frozen}" if c.n_frozen else ""
-    return (f"chunk {c.chunk_size / 1e6:.2f}M x{c.n_chunks}, rCache {c.rcache_blocks}, "
-            f"ckpt {'on' if c.checkpointing else 'off'}, prefetch {c.prefetch_depth}, "
-            f"optim offload {c.n_optim_cpu}/{c.n_trainable}, param offload {c.n_param_cpu}/{c.n_trainable}"
-            f"{frozen}")
-
-
-def _alternatives(best: Candidate, cands: list[Candidate], path: list[Candidate], budget: float,
-                  limit: int) -> list[dict[str, Any]]:
-    """The best few losers, one per distinct reason, each with why it lost."""
-    out: list[dict[str, Any]] = []
-    seen: set[tuple] = {_signature(best)}
-
-    def add(c: Candidate, reason: str) -> None:
-        sig = _signature(c)
-        if sig in seen or len(out) >= limit:
-            return
-        seen.add(sig)
-        d = c.describe()
-        d["reason"] = reason
-        out.append(d)
-
-    by_time = sorted(cands, key=Candidate.key)
-    # the fastest candidates that do not fit
-    for c in by_time:
-        if c.peak > budget and c.key() < best.key():
-            add(c, f"does not fit: needs {format_bytes(c.peak)} > budget {format_bytes(budget)}")
-            break
-    # the other setting of activation checkpointing, and the other offload regime
-    for pred, why in (
-        (lambda c: c.checkpointing != best.checkpointing and c.peak <= budget, "slower"),
-        (lambda c: (c.n_optim_cpu > 0) != (best.n_optim_cpu > 0) and c.peak <= budget, "slower"),
-        (lambda c: (c.n_frozen_cpu > 0) != (best.n_frozen_cpu > 0) and c.peak <= budget, "slower"),
-        (lambda c: c.rcache_blocks != best.rcache_blocks and c.peak <= budget, "slower"),
-        (lambda c: c.chunk_size != best.chunk_size and c.peak <= budget, "slower"),
-    ):
-        for c in by_time:
-            if pred(c):
-                if c.key() < best.key():
-                    add(c, "faster but offloads more than a plan that needs less memory")
-                elif c.step_time <= best.step_time * 1.0005 and c.key()[0] > best.key()[0]:
-                    add(c, f"same predicted time but offloads (offloading must win by {OFFLOAD_MARGIN:.0%})")
-                elif c.step_time <= best.step_time * 1.0005:
-                    add(c, "same predicted time but more bytes communicated or more memory")
-                else:
-                    add(c, f"{why}: predicted {c.step_time:.4g} s vs {best.step_time:.4g} s")
-                break
-    for c in by_time:
-        if c.peak > budget:
-            add(c, f"does not fit: needs {format_bytes(c.peak)} > budget {format_bytes(budget)}")
-            break
-    return out
-
-
-def _infeasible(profile: ModelProfile, model, example_batch, cands: list[Candidate], budget: float,
-                hw: HardwareProfile, W: int, dtype: str, optimizer: str) -> PlanError:
-    smallest = min(cands, key=lambda c: c.peak)
-    max_batch = _largest_batch(profile, model, cands, budget, hw, W, dtype)
-    batch_msg = (f"the largest per-device batch size that fits {format_bytes(budget)} is {max_batch} "
-                 f"(at sequence length {profile.seq_len})" if max_batch >= 1 else
-                 f"even batch size 1 does not fit {format_bytes(budget)} at sequence length "
-                 f"{profile.seq_len}")
-    frozen = f" + {profile.n_frozen_params / 1e6:.1f}M frozen" if profile.n_frozen_params else ""
-    err = PlanError(
-        f"no plan fits: {profile.model_name} ({profile.n_params / 1e6:.1f}M trainable{frozen} parameters, "
-        f"{dtype}, {optimizer}, batch {profile.batch_size} x {profile.seq_len} per device, "
-        f"world size {W}) needs at least {format_bytes(smallest.peak)} per device "
-        f"(smallest plan: {_config_label(smallest)}), but the budget is {format_bytes(budget)}. "
-        f"{batch_msg}. Use a smaller batch size or sequence length, more GPUs, or GPUs with "
-        f"more memory."
-    )
-    err.min_memory = int(math.ceil(smallest.peak))  # type: ignore[attr-defined]
-    err.max_batch_size = max_batch  # type: ignore[attr-defined]
-    return err
-
-
-def _largest_batch(profile: ModelProfile, model, cands: list[Candidate], budget: float,
-                   hw: HardwareProfile, W: int, dtype: str) -> int:
-    """Largest per-device batch size that fits, scaling activations linearly with batch size.
-
-    Activations and temporaries are linear in the batch size for a fixed sequence length,
-    so the profiled peak scales by b / profiled_batch; the allocator margin scales with it.
-    """
-    B = profile.batch_size
-    best = 0
-    for c in cands:
-        act = c.memory["activations"]
-        rest = c.peak - c.memory["margin"] - act
-        frac = cost.allocator_margin(hw)
-        ctx = c.memory["margin"] - frac * (rest + act)
-        room = (budget - ctx) / (1 + frac) - rest
-        if room <= 0 or act <= 0:
-            continue
-        best = max(best, int(room / (act / B)))
-    return best

@@ -14,11 +14,18 @@ import sys
 from pathlib import Path
 from typing import Callable
 
-EXIT_OK, EXIT_INFEASIBLE, EXIT_USAGE = 0, 1, 2
-
-
-class CLIError(Exception):
-    """A usage error: printed without a traceback, exit status 2."""
+from hf_elixir.checkpoint import CheckpointError, export
+from hf_elixir.cli.common import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, CLIError
+from hf_elixir.cli.demo import register_demo
+from hf_elixir.cli.launch import launch_main, register_config, register_launch
+from hf_elixir.hardware import HardwareError, HardwareProfile, cache_path, parse_memory
+from hf_elixir.measure import calibrate_machine
+from hf_elixir.planner.record import PlanError
+from hf_elixir.planner.search import plan as make_plan
+from hf_elixir.planner.summary import _MEM_ORDER, chosen_as_dict, summary
+from hf_elixir.profile import profile_model
+from hf_elixir.profile.configs import known_config
+from hf_elixir.profile.lora import meta_lora_model
 
 
 # ---------------------------------------------------------------------- model loading
@@ -28,8 +35,6 @@ def load_config(model: str):
     Only the config is read, never weights.
     """
     from transformers import AutoConfig
-
-    from hf_elixir.profile.configs import known_config
 
     path = Path(model)
     if path.is_file():
@@ -92,8 +97,6 @@ def register_plan(sub) -> None:
 
 
 def _hardware_from_args(args):
-    from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
-
     try:
         hw = HardwareProfile.preset(args.hardware) if args.hardware else HardwareProfile.detect()
         memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
@@ -117,7 +120,6 @@ def _lora_model(cfg, args):
         if args.lora_targets:
             raise CLIError("--lora-targets needs --lora-r (the adapters' rank)")
         return cfg
-    from hf_elixir.profile.lora import meta_lora_model
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
     try:
@@ -127,10 +129,6 @@ def _lora_model(cfg, args):
 
 
 def cmd_plan(args) -> int:
-    from hf_elixir.plan.plan import PlanError
-    from hf_elixir.plan.search import plan as make_plan
-    from hf_elixir.plan.summary import summary
-
     if args.batch_size < 1 or args.seq_len < 1:
         raise CLIError("--batch-size and --seq-len must be positive")
     hw = _hardware_from_args(args)
@@ -143,7 +141,6 @@ def cmd_plan(args) -> int:
         model = _lora_model(cfg, args)
         profile = None
         if model is not cfg:  # name the fine-tune in the summary
-            from hf_elixir.profile import profile_model
 
             targets = ",".join(sorted(model.peft_config["default"].target_modules))
             profile = profile_model(model, (args.batch_size, args.seq_len), dtype=args.dtype,
@@ -175,7 +172,6 @@ def plot_plan(plan, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError as e:  # pragma: no cover - matplotlib is in the `plot` extra
         raise CLIError("--plot needs matplotlib: pip install 'hf_elixir[plot]'") from e
-    from hf_elixir.plan.summary import _MEM_ORDER, chosen_as_dict
 
     entries = [("chosen", chosen_as_dict(plan))] + [(f"alt {i + 1}", a) for i, a in enumerate(plan.alternatives)]
     gib = 2**30
@@ -215,9 +211,7 @@ def register_calibrate(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    from hf_elixir.hardware import HardwareProfile, cache_path
-
-    prof = HardwareProfile.calibrate(output=args.output, quick=args.quick)
+    prof = calibrate_machine(output=args.output, quick=args.quick)
     print(prof.describe())
     print(f"\nsaved to {args.output or cache_path()}")
     return EXIT_OK
@@ -238,8 +232,6 @@ def register_export(sub) -> None:
 
 
 def cmd_export(args) -> int:
-    from hf_elixir.checkpoint import CheckpointError, export
-
     try:
         info = export(args.checkpoint, args.output, dtype=args.dtype, max_shard_size=args.max_shard_size,
                       verify=not args.no_verify)
@@ -252,9 +244,6 @@ def cmd_export(args) -> int:
 
 # ---------------------------------------------------------------------- entry point
 def _integration_commands() -> list[Callable]:
-    from hf_elixir.cli_launch import register_config, register_launch
-    from hf_elixir.demo import register_demo
-
     return [register_config, register_launch, register_demo]
 
 
@@ -274,7 +263,6 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":  # its options belong to Accelerate's launcher and the script
-        from hf_elixir.cli_launch import launch_main
 
         return launch_main(argv[1:])
     parser = build_parser()

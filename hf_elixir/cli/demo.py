@@ -29,6 +29,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
+from hf_elixir.cli.common import CLIError
+from hf_elixir.hardware import HardwareProfile, cache_path
+from hf_elixir.integrations.launch import LaunchError, default_config, launch, write_config
+from hf_elixir.integrations.plugin import ElixirPlugin
+from hf_elixir.measure import calibrate_machine
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
 DATA = EXAMPLES / "data"
@@ -193,8 +199,6 @@ def finetune_args(model: str, output: Path, fast: bool, port: int, lora: Optiona
 
 def require_peft() -> None:
     """Fail before any work when ``--lora`` cannot run: PEFT is an optional dependency."""
-    from hf_elixir.cli import CLIError
-
     try:
         import peft  # noqa: F401
     except ImportError:
@@ -204,11 +208,9 @@ def require_peft() -> None:
 
 def ensure_calibration(log=print) -> None:
     """Calibrate this machine once, so the plan's predicted times are this machine's."""
-    from hf_elixir.hardware import HardwareProfile, cache_path
-
     if HardwareProfile.cached() is None:
         log(f"calibrating this machine once for the planner (about 20 s; cached in {cache_path()})", flush=True)
-        HardwareProfile.calibrate()
+        calibrate_machine()
 
 
 def free_port() -> int:
@@ -234,10 +236,6 @@ def register_demo(sub) -> None:
 
 def cmd_demo(args) -> int:
     import torch
-
-    from hf_elixir.cli import CLIError
-    from hf_elixir.integrations.launch import LaunchError, default_config, launch, write_config
-    from hf_elixir.integrations.plugin import ElixirPlugin
 
     if not SCRIPT.is_file():
         raise CLIError(f"the demo runs {SCRIPT}, which is missing: run it from a source checkout of hf_elixir")

@@ -6,27 +6,11 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, option_fields
+from hf_elixir.cli.common import CLIError
+from hf_elixir.integrations.launch import LaunchError, default_config, launch, write_config
+from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, option_fields, option_help
 
 DEFAULT_CONFIG = "elixir_accelerate.yaml"
-OPTION_HELP = {
-    "plan": "'auto' (search) or a plan JSON from `hf-elixir plan --json`",
-    "gpu_memory": "memory per device the plan may use, e.g. 24GiB (default: the device's)",
-    "hardware": "hardware preset for the cost model (default: this machine)",
-    "chunk_size_mb": "pin the chunk size, in MiB",
-    "rcache_blocks": "pin the number of gathered chunks kept (rCache blocks)",
-    "offload": "optimizer state in CPU memory: auto, none, all or a fraction 0-1",
-    "activation_checkpointing": "auto, on or off",
-    "batch_size": "per-device micro-batch to plan for (default: the first training batch)",
-    "seq_len": "sequence length to plan for (default: the first training batch)",
-    "efficiency": "how compute is priced: auto (time the model on this calibrated machine), measure, calibrated or a number",
-}
-
-
-def _cli_error(message: str) -> Exception:
-    from hf_elixir.cli import CLIError
-
-    return CLIError(message)
 
 
 # ---------------------------------------------------------------------- config
@@ -48,7 +32,7 @@ def register_config(sub) -> None:
     p.add_argument("--main_process_port", type=int, default=None)
     p.add_argument("--use_cpu", action="store_true", default=None, help="train on the CPU even if GPUs exist")
     for f in option_fields():
-        p.add_argument(f"--{f.name}", default=None, help=OPTION_HELP.get(f.name))
+        p.add_argument(f"--{f.name}", default=None, help=option_help(f.name))
     p.set_defaults(func=cmd_config)
 
 
@@ -66,8 +50,6 @@ def _ask(question: str, default: Any, cast: Callable[[str], Any] = str) -> Any:
 def cmd_config(args) -> int:
     import torch
 
-    from hf_elixir.integrations.launch import LaunchError, default_config, write_config
-
     gpus = torch.cuda.device_count()
     use_gpu = gpus > 0 and not args.use_cpu
     interactive = not args.non_interactive and sys.stdin.isatty()
@@ -81,7 +63,7 @@ def cmd_config(args) -> int:
     num = _setting(args.num_processes, per_machine * machines, interactive,
                    "How many processes in all, over every machine (one per GPU)?", int)
     if num < 1:
-        raise _cli_error("--num_processes must be at least 1")
+        raise CLIError("--num_processes must be at least 1")
     precision = _setting(args.mixed_precision, "bf16" if use_gpu else "no", interactive,
                          "Precision (no, bf16, fp16)?",
                          lambda s: s if s in ("no", "bf16", "fp16") else _raise(ValueError(f"{s!r} is not no/bf16/fp16")))
@@ -98,7 +80,7 @@ def cmd_config(args) -> int:
         accelerate_cfg = default_config(num, precision, use_gpu, port, num_machines=machines,
                                         machine_rank=rank or 0, main_process_ip=ip)
     except (ElixirConfigError, LaunchError) as e:
-        raise _cli_error(str(e)) from None
+        raise CLIError(str(e)) from None
     path = write_config(args.config_file, accelerate_cfg, plugin)
     print(f"wrote {path}; start training with:\n  hf-elixir launch --config_file {path} your_script.py [args]")
     if machines > 1:
@@ -163,8 +145,6 @@ def split_config_file(argv: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def launch_main(argv: list[str]) -> int:
-    from hf_elixir.integrations.launch import LaunchError, launch
-
     if not argv or argv[0] in ("-h", "--help"):
         print(LAUNCH_USAGE)
         return 0 if argv else 2

@@ -1,6 +1,6 @@
 """How fast *this* model computes at its planned micro-batch, measured on this machine.
 
-The calibration (``hf_elixir.calibrate``) prices a step operator by operator and corrects the
+The calibration (``hf_elixir.measure.calibrate``) prices a step operator by operator and corrects the
 sum by an ``efficiency`` measured on a small stand-in causal LM at a few widths. A real model
 differs from the stand-in in ways the per-operator prices miss: a vocabulary of 867 instead
 of 8192 leaves a tiny model's step dominated by per-operator costs, and a Hugging Face
@@ -45,9 +45,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from hf_elixir import calibrate
+from hf_elixir.hardware import ComputeFigures
+from hf_elixir.measure import calibrate
+from hf_elixir.planner.pricing import price
 from hf_elixir.profile.memory import loss_of
-from hf_elixir.profile.trace import _torch_dtype, build_meta_model, make_batch
+from hf_elixir.profile.trace import build_meta_model, make_batch
+from hf_elixir.vocab import torch_dtype as _torch_dtype
+from hf_elixir.runtime.host_memory import keep_freed_host_memory
 
 #: a model whose priced step (on this device) is at most this many seconds is timed whole;
 #: a larger one with copies priced at most this many seconds a step (module docstring)
@@ -229,8 +233,6 @@ def _time_in_job(models: list[nn.Module], batch_shape) -> list[float]:
 def _pair_worker(rank: int, world: int, port: int, models, batch_shape, out) -> None:
     import torch.distributed as dist
 
-    from hf_elixir.runtime.host_memory import keep_freed_host_memory
-
     torch.set_num_threads(1)
     keep_freed_host_memory()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -252,14 +254,14 @@ def _time_spawned(models: list[nn.Module], batch_shape, ranks: int, timeout: flo
 
 
 # ---------------------------------------------------------------------- entry point
-def _trial_price(source: nn.Module, keep: int, batch_shape: tuple[int, int], figs: calibrate.ComputeFigures,
+def _trial_price(source: nn.Module, keep: int, batch_shape: tuple[int, int], figs: ComputeFigures,
                  device: torch.device, dtype: str) -> float:
     """The price at efficiency 1 of a copy of ``source`` with ``keep`` blocks, after one
     step of it: a copy that cannot train is never timed (it raises here)."""
     trial = reduced_copy(source, keep, device, _torch_dtype(dtype))
-    price = calibrate.price(calibrate.step_work(trial, batch_shape, device.type), figs, dtype, efficiency=1.0)
+    priced = price(calibrate.step_work(trial, batch_shape, device.type), figs, dtype, efficiency=1.0)
     time_steps([trial], batch_shape, repeat=0)
-    return price
+    return priced
 
 
 def _longest(prices: list[float], blocks: int, budget: float) -> int:
@@ -273,7 +275,7 @@ def _longest(prices: list[float], blocks: int, budget: float) -> int:
     return max(2, min(blocks - 1, 1 + int((budget - p1) // (p2 - p1))))
 
 
-def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: calibrate.ComputeFigures,
+def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: ComputeFigures,
             device: torch.device, dtype: str = "float32", ranks_per_node: int = 1,
             priced_whole: float | None = None, device_memory: float | None = None,
             whole_step_seconds: float = WHOLE_STEP_SECONDS, timeout: float = 300.0) -> ModelEfficiency | None:

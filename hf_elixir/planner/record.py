@@ -1,6 +1,6 @@
 """ElixirPlan: the versioned record of every memory decision the runtime executes.
 
-The planner (``hf_elixir.plan.search``) produces plans; the runtime (``hf_elixir.runtime``)
+The planner (``hf_elixir.planner.search``) produces plans; the runtime (``hf_elixir.runtime``)
 only reads them. Keeping the plan a plain, JSON-serialisable dataclass means a plan can be
 made on a laptop for hardware one does not have, inspected, edited, stored beside a
 checkpoint and replayed exactly.
@@ -17,53 +17,25 @@ from typing import Any, Iterable, Literal
 import torch
 from torch import nn
 
+from hf_elixir import vocab
+from hf_elixir.planner.summary import summary as _summary
+from hf_elixir.profile.needs import trace_fetch_needs
+from hf_elixir.profile.params import chunked_parameters, detect_fetch_units, model_signature
+from hf_elixir.vocab import DTYPES, HfElixirError
+
 PLAN_FORMAT_VERSION = 1
 
 Placement = Literal["device", "cpu"]
 _PLACEMENTS = ("device", "cpu")
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-#: bytes per element of each compute dtype
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-_DTYPE_ALIASES = {
-    "fp32": "float32", "float32": "float32", "float": "float32",
-    "bf16": "bfloat16", "bfloat16": "bfloat16",
-    "fp16": "float16", "float16": "float16", "half": "float16",
-}
 
 
-class PlanError(ValueError):
+class PlanError(HfElixirError, ValueError):
     """A plan is invalid for this model, or no plan fits the memory available."""
 
 
 def canonical_dtype(dtype: str | torch.dtype) -> str:
-    """Return the plan's spelling ("float32", "bfloat16", "float16") of a dtype or alias."""
-    if isinstance(dtype, torch.dtype):
-        for name, value in _DTYPES.items():
-            if value == dtype:
-                return name
-        raise PlanError(f"unsupported compute dtype {dtype}; use float32, bfloat16 or float16")
-    key = str(dtype).lower().replace("torch.", "")
-    if key not in _DTYPE_ALIASES:
-        raise PlanError(f"unsupported compute dtype {dtype!r}; use one of fp32, bf16, fp16")
-    return _DTYPE_ALIASES[key]
-
-
-def chunked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters that chunks hold: every floating-point parameter, each once (tied ones
-    once). Trainable ones go to trainable chunks, frozen ones (``requires_grad=False``) to
-    frozen chunks; a chunk never mixes the two, so no gradient memory is spent on frozen
-    weights. Non-floating parameters (quantised storage) stay whole on every rank."""
-    return [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
-
-
-def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The chunked parameters that need gradients, each once (tied ones once)."""
-    return [(n, p) for n, p in chunked_parameters(model) if p.requires_grad]
-
-
-def frozen_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The chunked parameters that do not need gradients (a PEFT base, frozen layers)."""
-    return [(n, p) for n, p in chunked_parameters(model) if not p.requires_grad]
+    """The plan's spelling ("float32", "bfloat16", "float16") of a dtype or alias."""
+    return vocab.canonical_dtype(dtype, PlanError)
 
 
 #: parameter offsets inside a chunk (and shard boundaries) are multiples of this many bytes,
@@ -88,17 +60,6 @@ def chunk_layout(numels: Iterable[int], itemsize: int, world_size: int) -> tuple
         offsets.append(_round_up(end, align))
         end = offsets[-1] + n
     return _round_up(end, align * world_size), offsets
-
-
-def model_signature(named_params: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """A short digest of parameter names and shapes (and which are frozen), to recognise a
-    plan made for another model. A model without frozen parameters keeps the digest it had
-    before frozen chunks existed."""
-    h = hashlib.sha256()
-    for name, p in named_params:
-        frozen = "" if p.requires_grad else ":frozen"
-        h.update(f"{name}:{tuple(p.shape)}{frozen};".encode())
-    return h.hexdigest()[:16]
 
 
 @dataclass
@@ -165,7 +126,7 @@ class ElixirPlan:
 
     @property
     def dtype(self) -> torch.dtype:
-        return _DTYPES[self.compute_dtype]
+        return DTYPES[self.compute_dtype]
 
     @property
     def shard_size(self) -> int:
@@ -421,9 +382,7 @@ class ElixirPlan:
 
     def summary(self) -> str:
         """A table explaining the choice: predictions by category and the runners-up."""
-        from hf_elixir.plan.summary import summary
-
-        return summary(self)
+        return _summary(self)
 
     def digest(self) -> str:
         """Digest of the decisions (not the predictions): equal digests shard identically."""
@@ -443,8 +402,6 @@ def _too_few_blocks(blocks: int, minimum: int) -> str:
 
 def _trace_needs(model: nn.Module, example_batch: Any, fetch_units: list[str], checkpointing: bool):
     """``trace_fetch_needs`` with its failure turned into advice."""
-    from hf_elixir.plan.needs import trace_fetch_needs
-
     try:
         return trace_fetch_needs(model, example_batch, fetch_units, checkpointing)
     except Exception as exc:
@@ -453,24 +410,6 @@ def _trace_needs(model: nn.Module, example_batch: Any, fetch_units: list[str], c
             f"({type(exc).__name__}: {exc}); pass example_batch= with inputs its forward "
             "accepts (a dict of tensors)"
         ) from exc
-
-
-def detect_fetch_units(model: nn.Module) -> list[str]:
-    """Modules whose children run data-dependently: mixture-of-experts blocks.
-
-    A block with a ``ModuleList`` of experts runs only the experts its router picks, and the
-    pick differs between ranks. Fetching the whole block as one unit keeps every rank's
-    sequence of collectives identical. Fused-expert blocks (one 3-D parameter for all
-    experts) are static and need no unit.
-    """
-    units: list[str] = []
-    for name, module in model.named_modules():
-        if any(name == u or name.startswith(u + ".") for u in units):
-            continue
-        experts = getattr(module, "experts", None)
-        if isinstance(experts, nn.ModuleList) and len(experts) > 1:
-            units.append(name)
-    return units
 
 
 def _warn_unhonoured_offload(label: str, asked: float, ids: list[int], chosen: set[int],

@@ -1,6 +1,6 @@
 """Measure the figures the cost model prices a step with, on this machine, in under a minute.
 
-The cost model (``hf_elixir.plan.cost``) prices each stretch of a step by the operators the
+The cost model (``hf_elixir.planner.cost``) prices each stretch of a step by the operators the
 profiler saw in it (``EventWork``): matmuls by their FLOPs at the rate a matmul *of that
 size* reaches, every other operator by the bytes it moves plus a fixed cost per call. So
 that is what is measured here, rather than a peak matmul rate:
@@ -32,19 +32,26 @@ core, so its figures are measured once more that way. Each set is a ``ComputeFig
 from __future__ import annotations
 
 import math
-import os
 import socket
 import statistics
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 import torch
 from torch import nn
 
 from hf_elixir.profile.memory import matmul_layout
+from hf_elixir.hardware import ComputeFigures
+from hf_elixir.planner.pricing import price
+from hf_elixir.vocab import torch_dtype
 from hf_elixir.runtime.host_memory import keep_freed_host_memory, spawning_cpu_ranks
+from hf_elixir.planner.record import ElixirPlan
+from hf_elixir.runtime.module import ElixirModule
+from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode, loss_of
+from hf_elixir.profile.trace import EventWork, build_meta_model, make_batch
+from hf_elixir.runtime.comm import Collectives
 
 #: matmul shapes (tokens, in, out) of the ladder; ordered by FLOPs
 _MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536), (256, 768, 768),
@@ -52,102 +59,6 @@ _MM_SHAPES = [(64, 128, 128), (128, 256, 256), (256, 384, 384), (256, 384, 1536)
 _MM_SHAPES_QUICK = [(64, 128, 128), (256, 384, 384), (256, 768, 3072)]
 
 
-def _interp(curve: list[list[float]], x: float) -> float:
-    """Log-log interpolation in ``[[x, y], ...]`` (ascending x), clamped at the ends."""
-    if x <= curve[0][0]:
-        return curve[0][1]
-    for (x0, y0), (x1, y1) in zip(curve, curve[1:]):
-        if x <= x1:
-            w = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
-            return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
-    return curve[-1][1]
-
-
-@dataclass
-class ComputeFigures:
-    """How fast one rank computes, for the per-operator cost model.
-
-    Attributes:
-        matmul_curve: dtype -> ``[[flops_per_call, flop_per_s], ...]`` ascending; the rate of a
-            matmul is interpolated log-log between the points (clamped at the ends).
-        matmul_layouts: dtype -> layout ("NN", "NT", "TN") -> a curve like ``matmul_curve``,
-            for matmuls whose layout the trace recorded.
-        read_bandwidth: bytes/s an operator reads (or rewrites in place) from mapped memory.
-        strided_bandwidth: bytes/s read by an element-wise operator that combines a row-major
-            and a transposed tensor of the same shape.
-        special_rate: output elements/s of arithmetic-bound element-wise operators (tanh,
-            exp, softmax, ...; ``profile.memory.TRANSCENDENTAL``).
-        write_curve: ``[[bytes, bytes_per_s], ...]``: the rate of writing a newly allocated
-            output of that size (on a CPU a large one pays a page fault per page).
-        op_overhead: seconds per operator call (dispatch, autograd), whatever its size.
-        event_overhead: seconds the runtime's own hooks add per fetch event (a module's
-            forward or backward: pinning, cache bookkeeping, gradient marks).
-        efficiency: measured / priced time of a small causal LM's forward and backward
-            (embedding, a transformer block, the LM head and the loss): the median over the
-            calibrated widths, used where a model's width is unknown.
-        efficiency_curve: ``[[hidden_size, efficiency], ...]`` ascending: the same ratio for
-            a causal LM of each width. Narrow models fall further below their per-operator
-            prices (a matmul over a 128-wide inner dimension runs slower than a square one of
-            the same FLOPs; attention and layer norm are dominated by per-row work), so
-            ``efficiency_at`` interpolates for the width of the model being planned.
-        adam_rate: fused AdamW, elements/s for one rank.
-        update_rate: elements/s of everything a CPU-device rank runs on its fp32 shards
-            between backward and the next forward, as ``ElixirOptimizer`` runs it: the
-            clipping norm and the scaling, the fused AdamW update and the zeroing of the
-            gradient shard (``update_rate``); with several ranks, measured on all of them at
-            once, since they run it in lock-step between two all-reduces and share the
-            memory bus. 0 where not measured (``cost.after_backward`` then prices the passes
-            one by one).
-        threads: torch threads per rank these figures were measured with.
-    """
-
-    matmul_curve: dict[str, list[list[float]]] = field(default_factory=dict)
-    matmul_layouts: dict[str, dict[str, list[list[float]]]] = field(default_factory=dict)
-    read_bandwidth: float = 10e9
-    strided_bandwidth: float = 2e9
-    special_rate: float = 1e9
-    write_curve: list[list[float]] = field(default_factory=lambda: [[1.0, 10e9]])
-    op_overhead: float = 10e-6
-    event_overhead: float = 0.0
-    efficiency: float = 1.0
-    efficiency_curve: list[list[float]] = field(default_factory=list)
-    adam_rate: float = 1e9
-    update_rate: float = 0.0
-    threads: int = 1
-
-    def matmul_rate(self, dtype: str, flops: float, layout: str = "") -> float:
-        curve = self.matmul_layouts.get(dtype, {}).get(layout)
-        if curve:
-            return _interp(curve, flops)
-        curve = self.matmul_curve.get(dtype) or self.matmul_curve.get("float32")
-        if not curve:
-            raise KeyError(dtype)
-        return _interp(curve, flops)
-
-    def write_rate(self, nbytes: float) -> float:
-        return _interp(self.write_curve, nbytes)
-
-    def efficiency_at(self, hidden_size: int | None) -> float:
-        """The efficiency of a model ``hidden_size`` wide (``efficiency`` when unknown or
-        when these figures predate the curve)."""
-        if not hidden_size or not self.efficiency_curve:
-            return self.efficiency
-        return _interp(self.efficiency_curve, float(hidden_size))
-
-    def for_width(self, hidden_size: int | None) -> "ComputeFigures":
-        """These figures with ``efficiency`` set for a model ``hidden_size`` wide."""
-        return replace(self, efficiency=self.efficiency_at(hidden_size))
-
-    def copy_seconds(self, nbytes: float, fresh: bool) -> float:
-        """A copy of ``nbytes`` into a new tensor (``fresh``) or into mapped memory."""
-        return nbytes / self.read_bandwidth + (nbytes / self.write_rate(nbytes) if fresh else 0.0)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "ComputeFigures":
-        return cls(**data)
-
-
-# ---------------------------------------------------------------------- timing
 def best_time(fn: Callable[[], object], repeat: int = 3, sync: Callable[[], None] | None = None,
               budget: float = 1.0) -> float:
     """The fastest of ``repeat`` timed calls after one warm-up (fewer when one takes long)."""
@@ -196,7 +107,7 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
         keep_freed_host_memory()
     figs = ComputeFigures(threads=threads or torch.get_num_threads())
     for dtype in dtypes:
-        figs.matmul_curve[dtype], figs.matmul_layouts[dtype] = _matmul_curves(device, _torch_dtype(dtype), sync, quick)
+        figs.matmul_curve[dtype], figs.matmul_layouts[dtype] = _matmul_curves(device, torch_dtype(dtype), sync, quick)
     figs.op_overhead = _op_overhead(device, sync)
     figs.read_bandwidth, figs.write_curve = _memory_rates(device, sync, figs.op_overhead, quick)
     figs.strided_bandwidth = _strided_rate(device, sync, figs, quick)
@@ -207,10 +118,6 @@ def measure_compute(device: torch.device, dtypes: tuple[str, ...] = ("float32",)
     figs.efficiency = statistics.median(r for _, r in figs.efficiency_curve)
     figs.update_rate = update_rate(device, update_elems(quick), sync)
     return figs
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
 
 
 def _by_size(points: dict[float, list[float]]) -> list[list[float]]:
@@ -334,9 +241,6 @@ def _strided_rate(device, sync, figs: "ComputeFigures", quick: bool) -> float:
 def runtime_event_overhead(device: torch.device, sync=None, layers: int = 48) -> float:
     """Seconds ``ElixirModule``'s hooks add per fetch event: a stack of tiny layers trained
     through the runtime (one rank, every chunk in place) against the same stack plainly."""
-    from hf_elixir.plan.plan import ElixirPlan
-    from hf_elixir.runtime.module import ElixirModule
-
     def stack() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(8, 8) for _ in range(layers)]).to(device)
@@ -467,9 +371,6 @@ class _MiniLM(nn.Module):
 def step_work(model: nn.Module, batch_shape: tuple[int, int], target: str):
     """The forward and backward of ``model`` on a ``batch_shape`` batch of ``input_ids``, as
     the profiler prices it on the meta device (one ``EventWork`` for the whole step)."""
-    from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode, loss_of
-    from hf_elixir.profile.trace import EventWork, build_meta_model, make_batch
-
     meta = build_meta_model(model)
     meta.train()
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
@@ -512,15 +413,6 @@ def block_efficiency(figs: ComputeFigures, device: torch.device, sync=None,
         priced = price(step_work(model, (b, s), device.type), figs, "float32", efficiency=1.0)
         curve.append([float(h), measured / priced])
     return curve
-
-
-def price(work, figs: ComputeFigures, dtype: str, efficiency: float | None = None) -> float:
-    """Seconds one ``EventWork`` takes on a rank with ``figs``."""
-    t = sum(f / figs.matmul_rate(dtype, 2.0 ** (b + 0.5), layout) for (layout, b), f in work.matmul.items())
-    t += work.read / figs.read_bandwidth + work.strided / figs.strided_bandwidth + work.ops * figs.op_overhead
-    t += work.special / figs.special_rate
-    t += sum(nb / figs.write_rate(2.0 ** (b + 0.5)) for b, nb in work.fresh.items())
-    return t * (figs.efficiency if efficiency is None else efficiency)
 
 
 # ---------------------------------------------------------------------- two ranks at once
@@ -597,8 +489,6 @@ def comm_overlap(coll, quick: bool = False, repeat: int = 7) -> dict[str, float]
 
 def _pair_worker(rank: int, world: int, port: int, quick: bool, backend: str, out) -> None:
     import torch.distributed as dist
-
-    from hf_elixir.runtime.comm import Collectives
 
     torch.set_num_threads(1)
     if backend == "nccl":
@@ -696,9 +586,3 @@ def measure_pair(quick: bool = False, timeout: float = 120.0) -> PairResult | No
         warnings.warn(f"hf_elixir calibrate: the two-process measurement failed (exit codes {codes}); "
                       "collectives and per-rank compute keep their previous figures", stacklevel=2)
     return result
-
-
-def sharing(ranks_per_node: int) -> str:
-    """Which ``HardwareProfile.compute`` figures a rank runs at: ``"shared"`` when several
-    ranks share the node (one thread each), ``"whole"`` when one process has every core."""
-    return "shared" if ranks_per_node > 1 else "whole"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hf_elixir.hardware import format_bytes
+from hf_elixir.vocab import format_bytes
 
 _MEM_ORDER = ("parameters", "frozen_shards", "master_weights", "optimizer_state", "gradients", "rcache",
               "activations", "buffers", "frozen_and_buffers", "margin")
