@@ -3,7 +3,7 @@ DeepSpeed ZeRO-3, each with and without offload, in one run.
 
     python benchmarks/bench_offload.py                    # both GPT-2 sizes, world size 2
     python benchmarks/bench_offload.py --models gpt2-30m --steps 3
-    pip install -e .[bench]                               # DeepSpeed, for its two systems
+    pip install torch==2.13.0 -e .[bench]                 # DeepSpeed for its two systems (CPU torch kept)
 
 Every system trains the same GPT-2 (same seed, same data) on CPU over gloo, as in
 bench_step.py (whose helpers this script uses): global batch 4, sequence 128, fp32, AdamW

@@ -26,8 +26,8 @@ from hf_elixir.vocab import GB, GiB, HfElixirError, canonical_dtype, format_byte
 
 
 DATASHEET, MEASURED, PUBLISHED, ESTIMATE = "datasheet", "measured", "published measurement", "estimate"
-#: share of CPU time stolen by the hypervisor during a calibration above which it says so:
-#: this 2-core VM measured 1-4% when quiet, and 30% in a spell that ran steps 1.8x slower
+#: share of CPU time stolen by the hypervisor during a calibration above which it says so: a
+#: quiet shared VM loses a few percent, and a busy spell that slows every figure far more
 STEAL_WARNING = 0.10
 
 

@@ -272,7 +272,3 @@ def main(argv: list[str] | None = None) -> int:
     except CLIError as e:
         print(f"hf-elixir {args.command}: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())

@@ -126,8 +126,8 @@ def _by_size(points: dict[float, list[float]]) -> list[list[float]]:
     return [[f, statistics.mean(points[f])] for f in sorted(points)]
 
 
-#: operand bytes the matmul timings cycle through: more than a CPU's last-level cache (32 MiB
-#: on this VM) or a GPU's L2 (50-60 MiB on H100/H200), so every product reads its operands
+#: operand bytes the matmul timings cycle through: more than a CPU's last-level cache or a
+#: GPU's L2 (50-60 MiB on H100/H200), so every product reads its operands
 #: from memory as a layer in a model does. On hot operands (one product timed again and
 #: again) the narrow products of small models ran 15-30% faster than on cold ones, and the
 #: same products inside GPT-2 ran 1.4-1.75x slower than their hot-operand price.

@@ -19,10 +19,9 @@ allows, two at least) and the whole step is extrapolated:
 and priced ``p`` over ``L`` blocks.
 
 The extrapolation multiplies the noise of ``mk - m1`` by ``(L-1)/(k-1)``, which is why the
-budget is a few seconds, not less. GPT-2 124M at 2 x 128 on two CPU ranks (priced 2.5 s),
-timed three times each way on one calibration, measured 1.04, 1.11 and 1.26 from one and
-two blocks, 1.08, 1.04 and 1.01 from one and eleven, and 1.02, 1.04 and 1.05 whole; the
-whole timing took 35 s, the two short copies 27 s.
+budget is a few seconds, not less: from one and two blocks the estimate scatters widely,
+from one and most blocks it agrees with timing the whole model (docs/planning.md has the
+figures).
 
 Where the ranks run:
 - inside a distributed job (``torch.distributed`` initialised: ``accelerate launch``), every

@@ -357,8 +357,8 @@ def after_backward(shard_elems: float, figs, hw: HardwareProfile, world_size: in
     gradient shard for the norm and rescales it, the fused AdamW updates every shard, and
     the gradient shards are zeroed. Where calibrated, the whole sequence is priced at its
     measured rate (``ComputeFigures.update_rate``): it runs on every rank at once, sharing
-    the memory bus, which the separately measured rates leave out (they priced GPT-2 124M's
-    at 0.05 s, where its two ranks measured 0.13 s). Otherwise it is priced pass by pass.
+    the memory bus, which the separately measured rates leave out (they price it well below
+    what two ranks sharing the bus take). Otherwise it is priced pass by pass.
 
     With several ranks three small all-reduces bracket it: the ranks agree on late chunks
     at the end of backward, the norm is summed, and the step agrees on which parameters got

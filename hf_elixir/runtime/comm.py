@@ -7,9 +7,8 @@ reduce-scatters in the (rank-identical) descending chunk order, but how the two 
 interleave depends on when each rank's autograd engine reaches a hook; separate groups make
 each sequence match on its own. Neither is the caller's group, so the caller's collectives
 (a barrier, a metric gather) never queue behind the gathers the optimizer step leaves
-running for the next pass: on two CPU ranks, GPT-2 30M's plans that start both of its
-chunks' gathers there measured 4-7% slower than those that start one, until the gathers
-left the default group that the step's closing barrier ran on.
+running for the next pass (a barrier queued behind them would wait for gathers it does not
+need, and a plan that starts more of them would pay for it).
 
 The backend follows the compute device, not the group's backend name: CUDA tensors go over
 NCCL and host tensors over gloo, whatever the caller's group runs (``device="cpu"`` on a
@@ -108,18 +107,7 @@ class Collectives:
     """The process groups the runtime talks over; world size 1 needs no group at all.
 
     gloo's collectives are not the ring algorithms NCCL runs, and the ones that should move
-    fewer bytes are not the faster ones. Measured with 2 ranks on one host (torch 2.13, fp32,
-    median of 5 after a warm-up, two runs on a shared 2-core machine):
-
-    ==========================================  ===============  ================
-    collective                                  4M elements      20M elements
-    ==========================================  ===============  ================
-    all_reduce (the full gradient)              0.012-0.017 s    0.065-0.072 s
-    W ``dist.reduce`` calls, one slice each     0.016-0.018 s    0.084-0.091 s
-    ``reduce_scatter`` (list of slices)         0.016-0.020 s    0.080-0.096 s
-    ``reduce_scatter_tensor`` (single tensor)   0.021-0.028 s    0.122-0.158 s
-    W broadcasts, one shard each (the gather)   0.009-0.010 s    0.032-0.038 s
-    ==========================================  ===============  ================
+    fewer bytes are not the faster ones (timings in docs/gpu.md, "Devices and collectives"):
 
     So on gloo (``gloo=True``) a gather is W broadcasts and a gradient reduction stays an
     all-reduce of the full buffer: no reduce-scatter variant was as fast, although each

@@ -1,21 +1,19 @@
 """The host heap of a CPU training process: no page faults per step, and no growth.
 
 On a CPU device every tensor of a step lives in the process heap, and glibc's defaults cost
-twice there (figures from the 2-core VM this project is developed on, world size 2, gloo):
+twice there (the measurements are in docs/gpu.md, "Host memory on a CPU device"):
 
 - **Page faults.** glibc maps each allocation above 32 MiB afresh and unmaps it when it is
   freed, so every large tensor of every step (the logits, an embedding's gradient) faults in
-  each 4 KiB page again: GPT-2 124M took 210-260k faults and 1.0-1.4 s of system time in a
-  4.5 s step. Freed memory can stay mapped instead (``mallopt``: no ``mmap`` for large
-  blocks, no trimming of the heap top), as CUDA's caching allocator keeps its blocks.
+  each 4 KiB page again, a system-time cost that grows with the model. Freed memory can stay
+  mapped instead (``mallopt``: no ``mmap`` for large blocks, no trimming of the heap top), as
+  CUDA's caching allocator keeps its blocks.
 - **Fragmentation.** glibc's per-thread cache (tcache) lets small blocks freed by gloo's
   worker threads be reused there, pinning the main heap, and its free holes never fit the
-  next large tensor. A 2-layer GPT-2 (vocab 32,000) kept 190 MB in use between steps while
-  its heap grew by about 10 MB a step under glibc's defaults (3.2 GB after 300 steps) and
-  faster with freed memory kept; one process, or DDP, stays flat. With the cache off
-  (``GLIBC_TUNABLES=glibc.malloc.tcache_count=0``, read only when a process starts) the
-  same run stays at 612 MB for 300 steps, and so does GPT-2 30M (1.29 GB over 40 steps),
-  without page faults.
+  next large tensor, so the heap grows step after step while the memory in use stays flat
+  (one process, or DDP, does not grow). With the cache off
+  (``GLIBC_TUNABLES=glibc.malloc.tcache_count=0``, read only when a process starts) the heap
+  stays flat, without page faults.
 
 So launchers of CPU ranks (``hf-elixir launch``, the benchmarks) start them with
 ``TUNABLES`` (``rank_environment``); the runtime keeps freed memory mapped on a CPU device
