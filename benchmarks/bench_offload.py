@@ -60,7 +60,7 @@ from pathlib import Path
 
 import torch
 
-from bench_step import (MODELS, RESULTS, add_host_memory_option, blocks_of, launch, plain_step, pyplot,
+from bench_step import (MODELS, RESULTS, add_host_memory_option, blocks_of, launch_each, plain_step, pyplot,
                         setup_elixir)
 
 OFFLOADED = ["hf_elixir_offload", "hf_elixir_offload_half", "fsdp2_offload", "deepspeed_offload"]
@@ -233,11 +233,7 @@ def main() -> None:
     # DeepSpeed's CPU Adam runs OpenMP threads: give it the ranks' share of the cores, as torch gets
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, args.threads)))
     # each system in ranks of its own (see the docstring): no leaks or heap carried over
-    results: dict = {}
-    for model_name in args.models:
-        for system in args.systems:
-            one = argparse.Namespace(**{**vars(args), "models": [model_name], "systems": [system]})
-            results.setdefault(model_name, {}).update(launch(one, systems_for(args))[model_name])
+    results = launch_each(args, systems_for(args))
     summary = summarise(results, args)
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},

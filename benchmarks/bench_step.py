@@ -8,7 +8,8 @@ Every system trains the same model (same seed, same data; bench_planner's GPT-2 
 sequence 128, fp32, AdamW (the fused kernel for all three, so the optimizer
 implementation is not what is compared), clipping at 1.0. After the warm-up steps the
 median of the timed steps is reported with each system's ratio to DDP, and the losses of
-the first steps are checked equal across systems. Results go to
+the first steps are checked equal across systems. Each system runs in fresh ranks of its own
+(``launch_each``), so that none inherits another's heap. Results go to
 benchmarks/results/bench_step.json and a PNG beside it.
 
 Bytes on the wire: after the timed steps every system runs one more step under a
@@ -38,8 +39,8 @@ per-thread cache off (without it the heap fragments under gloo;
 hf_elixir/runtime/host_memory.py), and by default every system runs with freed host memory
 kept mapped, the setting hf_elixir itself makes on a CPU device, so that all systems share
 one allocator setting (``--keep-host-memory all``). ``--keep-host-memory hf_elixir`` leaves
-DDP and FSDP2 with glibc's other defaults, as a user of them gets them (they run first in
-each rank, before any ElixirModule exists), to show what the setting is worth on its own.
+DDP and FSDP2 with glibc's other defaults, as a user of them gets them (each system runs in
+ranks of its own, so none inherits hf_elixir's setting), to show what the setting is worth.
 """
 
 from __future__ import annotations
@@ -359,6 +360,18 @@ def plot(summary: dict, path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def launch_each(args, systems: dict | None = None) -> dict:
+    """Every (model, system) pair in ranks of its own, one pair after another: no system
+    inherits another's heap, allocator state or leaked memory (systems run one after another
+    in the same ranks slowed whichever came later). Returns {model: {system: {...}}}."""
+    results: dict = {}
+    for model_name in args.models:
+        for system in args.systems:
+            one = argparse.Namespace(**{**vars(args), "models": [model_name], "systems": [system]})
+            results.setdefault(model_name, {}).update(launch(one, systems)[model_name])
+    return results
+
+
 def launch(args, systems: dict | None = None) -> dict:
     """Spawn args.world_size ranks over gloo; each runs args.systems on args.models.
 
@@ -409,7 +422,7 @@ def main() -> None:
     args = p.parse_args()
     if args.global_batch % args.world_size:
         sys.exit("--global-batch must be divisible by --world-size")
-    results = launch(args)
+    results = launch_each(args)
     summary = summarise(results, args)
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
