@@ -50,3 +50,21 @@ def elixir_launch(config: Path, port: int, script: str, *args: str, cwd: Path) -
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert set(a) == set(b), set(a) ^ set(b)
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+#: the Trainer recipe of the launched Trainer tests (run_clm style, on the command line):
+#: 48 samples, evaluation and checkpoints every 3 optimizer steps, clipping, warm-up
+TRAINER_RECIPE = {
+    "per_device_train_batch_size": "2", "per_device_eval_batch_size": "4", "gradient_accumulation_steps": "2",
+    "max_grad_norm": "0.5", "learning_rate": "3e-3", "adam_epsilon": "1e-6", "weight_decay": "0.1",
+    "warmup_steps": "2", "num_train_epochs": "1", "eval_strategy": "steps", "eval_steps": "3",
+    "save_strategy": "steps", "save_steps": "3", "logging_steps": "1", "report_to": "none", "seed": "0",
+    "optim": "adamw_torch", "disable_tqdm": "true",
+}
+
+
+def trainer_args(**changes: str) -> list[str]:
+    """``TRAINER_RECIPE`` as command-line flags, with ``changes`` applied."""
+    unknown = set(changes) - set(TRAINER_RECIPE)
+    assert not unknown, f"not in the recipe: {unknown}"
+    return [item for key, value in {**TRAINER_RECIPE, **changes}.items() for item in (f"--{key}", value)]

@@ -14,16 +14,12 @@ from transformers import AutoModelForCausalLM
 from harness import free_port
 from hf_elixir.integrations.launch import accelerate_view, default_config, read_config, write_config
 from hf_elixir.integrations.plugin import ElixirPlugin
-from integration_helpers import SCRIPTS, accelerate_launch, check, elixir_launch, max_diff, run, worker_env
+from integration_helpers import (SCRIPTS, accelerate_launch, check, elixir_launch, max_diff, run, trainer_args,
+                                 worker_env)
 
 SCRIPT = "trainer_run.py"
 # 48 samples, 2 per device, 2 processes, accumulation 2: 6 optimizer steps in one epoch
-TRAIN_ARGS = ["--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "4",
-              "--gradient_accumulation_steps", "2", "--max_grad_norm", "0.5", "--learning_rate", "3e-3",
-              "--adam_epsilon", "1e-6", "--weight_decay", "0.1", "--warmup_steps", "2",
-              "--num_train_epochs", "1", "--eval_strategy", "steps", "--eval_steps", "3",
-              "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
-              "--report_to", "none", "--seed", "0", "--optim", "adamw_torch", "--disable_tqdm", "true"]
+TRAIN_ARGS = trainer_args()
 
 
 @pytest.fixture(scope="module")

@@ -143,3 +143,20 @@ def test_importing_the_package_imports_neither_accelerate_nor_transformers() -> 
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                           cwd=PACKAGE.parent)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+
+
+def test_checkpoints_read_the_runtime_through_its_seam() -> None:
+    """``checkpoint/`` reads no private attribute of anything, and of the runtime's objects
+    (``emodel``, ``eoptimizer``) only their public face; chunks, slots, shards and the
+    optimizer's bookkeeping are reached through ``hf_elixir.runtime.state`` alone."""
+    public = {"comm", "plan", "algorithm", "param_groups", "scaler", "zero_grad"}
+    found = []
+    for path in sorted((PACKAGE / "checkpoint").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Attribute):
+                continue
+            owner = node.value.id if isinstance(node.value, ast.Name) else ""
+            private = node.attr.startswith("_") and not node.attr.startswith("__") and owner != "self"
+            if private or (owner in ("emodel", "eoptimizer") and node.attr not in public):
+                found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}: {owner}.{node.attr}")
+    assert not found, "checkpoint/ reaches into the runtime:\n" + "\n".join(found)

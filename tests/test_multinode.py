@@ -28,16 +28,12 @@ from hf_elixir.integrations.planning import machines_from_env
 from hf_elixir.integrations.plugin import ElixirPlugin
 from hf_elixir.planner.record import PlanError
 from hf_elixir.planner.search import plan
-from integration_helpers import SCRIPTS, accelerate_launch, check, elixir_launch, max_diff, worker_env
+from integration_helpers import (SCRIPTS, accelerate_launch, check, elixir_launch, max_diff, trainer_args,
+                                 worker_env)
 
 SCRIPT = "trainer_run.py"
 # 48 samples, 2 per device, 4 processes, no accumulation: 6 optimizer steps, a checkpoint at 3
-TRAIN_ARGS = ["--per_device_train_batch_size", "2", "--per_device_eval_batch_size", "2",
-              "--gradient_accumulation_steps", "1", "--max_grad_norm", "0.5", "--learning_rate", "3e-3",
-              "--adam_epsilon", "1e-6", "--weight_decay", "0.1", "--warmup_steps", "2",
-              "--num_train_epochs", "1", "--eval_strategy", "steps", "--eval_steps", "3",
-              "--save_strategy", "steps", "--save_steps", "3", "--logging_steps", "1",
-              "--report_to", "none", "--seed", "0", "--optim", "adamw_torch", "--disable_tqdm", "true"]
+TRAIN_ARGS = trainer_args(per_device_eval_batch_size="2", gradient_accumulation_steps="1")
 TWO_MACHINES = "world size 4 (2 machines x 2 ranks"
 
 
