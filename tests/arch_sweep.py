@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from arch_configs import SEQ, NotSmall, Skip, build_tiny, make_ids
+from loops import elixir_steps, plain_steps
 
 BATCH, STEPS = 4, 3
 LR, CLIP = 1e-3, 1.0
@@ -74,19 +75,14 @@ def with_input_views(model: torch.nn.Module, names: set[str]) -> torch.nn.Module
 
 
 def _train_plain(model: torch.nn.Module, ids: torch.Tensor, splits: int, fused: bool | None = None) -> list[float]:
+    """Plain PyTorch on ``ids`` in ``splits`` micro-batches (2: two ranks' halves by hand)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for rows in ids.chunk(splits):
-            loss = model(input_ids=rows, labels=rows).loss / splits
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(total)
-    return losses
+    return plain_steps(model, opt, list(ids.chunk(splits)) * STEPS, clip=CLIP, accumulate=splits, loss_fn=_loss)
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    # by attribute, as the sweep has always read it: a model without a loss fails the same way
+    return model(input_ids=ids, labels=ids).loss
 
 
 def _train_elixir(model: torch.nn.Module, ids: torch.Tensor, rank: int, group) -> tuple[list[float], dict]:
@@ -98,17 +94,7 @@ def _train_elixir(model: torch.nn.Module, ids: torch.Tensor, rank: int, group) -
     plan.rcache_blocks = plan.min_rcache_blocks  # the fewest blocks it accepts
     emodel = hfe.ElixirModule(model, plan, process_group=group)
     eopt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=LR))
-    rows = ids.chunk(2)[rank]
-    losses = []
-    for _ in range(STEPS):
-        loss = emodel(input_ids=rows, labels=rows).loss
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(CLIP)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total, group=group)
-        losses.append(total.item() / 2)
+    losses = elixir_steps(emodel, eopt, [ids.chunk(2)[rank]] * STEPS, clip=CLIP, loss_fn=_loss, group=group)
     info = {"n_chunks": plan.n_chunks, "rcache_blocks": plan.rcache_blocks, "borrowed": plan.borrowed,
             "oversized": sum(c.numel > plan.chunk_size for c in plan.chunks)}
     hooked = {name for name, module in model.named_modules() if module in emodel.hooks.units}

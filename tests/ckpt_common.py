@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 import hf_elixir as hfe
-from equivalence import ACCUM, GLOBAL_BATCH, SEQ, make_optimizer
+from equivalence import ACCUM, GLOBAL_BATCH, SEQ, make_optimizer, rank_micro_batches
+from loops import elixir_steps
 from tiny_models import make_batch, make_model
 
 
@@ -23,28 +23,13 @@ class Run:
         self.eopt = hfe.ElixirOptimizer(self.emodel, opt)
         self.ids = make_batch(GLOBAL_BATCH, SEQ)
 
-    def step(self) -> tuple[float, float]:
-        """One optimizer step on the global batch; returns (loss, lr used)."""
-        micro = GLOBAL_BATCH // ACCUM
-        per_rank = micro // self.world_size
-        total = torch.zeros(1)
-        lr = self.eopt.param_groups[0]["lr"]
-        for m in range(ACCUM):
-            rows = self.ids[m * micro + self.rank * per_rank : m * micro + (self.rank + 1) * per_rank]
-            loss = self.emodel(input_ids=rows, labels=rows)["loss"] / ACCUM
-            self.eopt.backward(loss)
-            total += loss.detach()
-        self.eopt.clip_grad_norm_(1.0)
-        self.eopt.step()
-        self.sched.step()
-        self.eopt.zero_grad()
-        if self.world_size > 1:
-            dist.all_reduce(total)
-        return total.item() / self.world_size, lr
-
     def steps(self, n: int) -> dict:
-        out = [self.step() for _ in range(n)]
-        return {"losses": [l for l, _ in out], "lrs": [lr for _, lr in out]}
+        """``n`` optimizer steps on the global batch: their losses and the lr each one used."""
+        rows = rank_micro_batches(self.ids, self.rank, self.world_size)
+        lrs: list[float] = []
+        losses = elixir_steps(self.emodel, self.eopt, rows * n, clip=1.0, scheduler=self.sched, accumulate=ACCUM,
+                              each_step=lambda _: lrs.append(self.eopt.param_groups[0]["lr"]))
+        return {"losses": losses, "lrs": lrs}
 
     @torch.no_grad()
     def logits(self) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """The training recipe both sides of an equivalence test run, and how results compare.
 
 Recipe: AdamW with weight decay, a warm-up LambdaLR schedule, clipping at 1.0, a global
-batch of 12 sequences. The reference is plain PyTorch in one process on the whole batch;
-hf_elixir splits it into 2 micro-batches (gradient accumulation) and over the ranks.
+batch of 12 sequences, trained by the loops of tests/loops.py. The reference is plain
+PyTorch in one process on the whole batch; hf_elixir splits it into 2 micro-batches
+(gradient accumulation) and over the ranks.
 
 eps is 1e-6 rather than 1e-8: Adam divides by sqrt(v) + eps, so components whose true
 gradient is zero (GPT-2's attention key bias: softmax ignores a constant shift) move by
@@ -12,8 +13,11 @@ comparison would measure that noise; with 1e-6 it measures the runtime.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from loops import elixir_steps, plain_steps
 from tiny_models import make_batch, make_dynamic_moe, make_model
 
 GLOBAL_BATCH, SEQ, ACCUM, STEPS = 12, 16, 2, 5
@@ -38,11 +42,6 @@ def make_optimizer(model: torch.nn.Module, kind: str = "adamw"):
         raise ValueError(kind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
     return opt, sched
-
-
-def loss_of(model, ids):
-    out = model(input_ids=ids, labels=ids)
-    return out["loss"]
 
 
 def freeze_position_embeddings(model) -> None:
@@ -98,25 +97,24 @@ ON_STEP = {"skip_layer": skip_second_layer_on_odd_steps}
 ON_WRAP = {"late_on_rank_0": late_gradient_on_rank_0, "extra_request_on_rank_0": extra_request_on_rank_0}
 
 
+def rank_micro_batches(ids: torch.Tensor, rank: int, world_size: int) -> list[torch.Tensor]:
+    """This rank's rows of each of the ACCUM micro-batches the global batch is split into."""
+    micro = len(ids) // ACCUM
+    per_rank = micro // world_size
+    return [ids[m * micro + rank * per_rank : m * micro + (rank + 1) * per_rank] for m in range(ACCUM)]
+
+
 def reference_run(arch: str, steps: int = STEPS, prepare: str | None = None, opt_kind: str = "adamw",
                   on_step: str | None = None, device: str = "cpu") -> dict:
+    """Plain PyTorch in one process on the whole batch: losses and final state."""
     torch.manual_seed(0)
     model = build(arch).to(device)
     if prepare:
         PREPARE[prepare](model)
     opt, sched = make_optimizer(model, opt_kind)
     ids = make_batch(GLOBAL_BATCH, SEQ).to(device)
-    losses = []
-    for step in range(steps):
-        if on_step:
-            ON_STEP[on_step](model, step)
-        loss = loss_of(model, ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+    each_step = functools.partial(ON_STEP[on_step], model) if on_step else None
+    losses = plain_steps(model, opt, [ids] * steps, clip=1.0, scheduler=sched, each_step=each_step)
     return {"losses": losses, "state": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}}
 
 
@@ -127,8 +125,6 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
     in ``plan_json``, computing on ``device`` (default: the wrapper's choice); the batch
     stays on the host (the wrapper moves it). Returns losses, final full state and memory
     report."""
-    import torch.distributed as dist
-
     import hf_elixir as hfe
 
     torch.manual_seed(0)
@@ -144,26 +140,10 @@ def elixir_run(rank: int, world_size: int, arch: str, plan_kwargs: dict | None =
     if on_wrap:
         ON_WRAP[on_wrap](emodel, rank)
     eopt = hfe.ElixirOptimizer(emodel, opt)
-    ids = make_batch(GLOBAL_BATCH, SEQ)
-    micro = GLOBAL_BATCH // ACCUM
-    per_rank = micro // world_size
-    losses = []
-    for step in range(steps):
-        if on_step:
-            ON_STEP[on_step](model, step)
-        total = torch.zeros(1)
-        for m in range(ACCUM):
-            rows = ids[m * micro + rank * per_rank : m * micro + (rank + 1) * per_rank]
-            loss = loss_of(emodel, rows) / ACCUM
-            eopt.backward(loss)
-            total += loss.detach().cpu()
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        sched.step()
-        eopt.zero_grad()
-        if world_size > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+    rows = rank_micro_batches(make_batch(GLOBAL_BATCH, SEQ), rank, world_size)
+    each_step = functools.partial(ON_STEP[on_step], model) if on_step else None
+    losses = elixir_steps(emodel, eopt, rows * steps, clip=1.0, scheduler=sched, accumulate=ACCUM,
+                          each_step=each_step)
     state = emodel.state_dict()
     return {"losses": losses, "state": state if rank == 0 else None,
             "memory": emodel.memory_report(), "n_chunks": plan.n_chunks,

@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from loops import elixir_steps, plain_steps
 from tiny_models import make_batch, make_model
 
 BATCH, SEQ, STEPS, LR = 8, 16, 3, 1e-2
@@ -77,15 +78,7 @@ def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
 def reference(name: str) -> dict:
     model = build_case(name)
     opt = make_optimizer(model)
-    ids = make_batch(BATCH, SEQ)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, labels=ids)["loss"]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(model, opt, [make_batch(BATCH, SEQ)] * STEPS, clip=1.0)
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -99,8 +92,6 @@ def frozen_state(name: str) -> dict[str, torch.Tensor]:
 def elixir(rank: int, world_size: int, name: str, plan_kwargs: dict) -> dict:
     """One rank: the case trained through ElixirModule/ElixirOptimizer on its slice of the
     batch; losses averaged over ranks, the full state, the memory report and the plan."""
-    import torch.distributed as dist
-
     import hf_elixir as hfe
 
     model = build_case(name)
@@ -118,18 +109,7 @@ def elixir(rank: int, world_size: int, name: str, plan_kwargs: dict) -> dict:
     eopt = hfe.ElixirOptimizer(emodel, opt)
     ids = make_batch(BATCH, SEQ)
     per = BATCH // world_size
-    rows = ids[rank * per : (rank + 1) * per]
-    losses = []
-    for _ in range(STEPS):
-        loss = emodel(input_ids=rows, labels=rows)["loss"]
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        if world_size > 1:
-            dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+    losses = elixir_steps(emodel, eopt, [ids[rank * per : (rank + 1) * per]] * STEPS, clip=1.0)
     state = emodel.state_dict()
     padding = sum((emodel.chunks[i].size - sum(s.numel for s in emodel.chunks[i].slots))
                   * emodel.dtype.itemsize for i in plan.frozen_chunks)

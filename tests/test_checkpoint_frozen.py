@@ -24,6 +24,7 @@ from hf_elixir import checkpoint as ck
 from hf_elixir.checkpoint import frozen as frz
 from hf_elixir.checkpoint.index import INDEX_NAME, PLAIN_FORMAT_VERSION, UNTRACKED_NAME
 from hf_elixir.checkpoint.io import SafetensorsReader, file_sha256, write_safetensors
+from loops import elixir_steps
 from tiny_models import make_batch
 
 pytestmark = pytest.mark.filterwarnings("ignore:fan_in_fan_out is set to False:UserWarning")
@@ -84,23 +85,12 @@ class Trained:
         self.ids = make_batch(BATCH, SEQ)
 
     def steps(self, n: int) -> dict:
-        import torch.distributed as dist
-
+        """``n`` steps on this rank's rows: their losses and the lr each one used."""
         per = BATCH // self.world_size
-        rows = self.ids[self.rank * per : (self.rank + 1) * per]
-        losses, lrs = [], []
-        for _ in range(n):
-            lrs.append(self.eopt.param_groups[0]["lr"])
-            loss = self.emodel(input_ids=rows, labels=rows)["loss"]
-            self.eopt.backward(loss)
-            self.eopt.clip_grad_norm_(1.0)
-            self.eopt.step()
-            self.sched.step()
-            self.eopt.zero_grad()
-            total = loss.detach().reshape(1)
-            if self.world_size > 1:
-                dist.all_reduce(total)
-            losses.append(total.item() / self.world_size)
+        lrs: list[float] = []
+        losses = elixir_steps(self.emodel, self.eopt, [self.ids[self.rank * per : (self.rank + 1) * per]] * n,
+                              clip=1.0, scheduler=self.sched,
+                              each_step=lambda _: lrs.append(self.eopt.param_groups[0]["lr"]))
         return {"losses": losses, "lrs": lrs}
 
     def snapshot(self) -> dict:

@@ -21,6 +21,7 @@ from equivalence import GLOBAL_BATCH, SEQ, make_optimizer
 from harness import run_distributed
 from hf_elixir.planner import traffic
 from hf_elixir.runtime import comm as comm_mod
+from loops import elixir_steps, plain_steps
 from tiny_models import make_batch, make_model
 
 WINDOW_STEPS = 2
@@ -44,12 +45,8 @@ def _train(rank: int, world_size: int, model, plan, *, device=None, tensor_colle
     ids = make_batch(GLOBAL_BATCH, SEQ)[rank * BATCH[0] : (rank + 1) * BATCH[0]]
     counter = WireCounter()
 
-    def step() -> None:
-        loss = em(input_ids=ids, labels=ids).loss
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        eopt.zero_grad()
+    def step() -> None:  # no loss all-reduce: the counters see the step's own collectives only
+        elixir_steps(em, eopt, [ids], clip=1.0, average=False)
 
     step()
     em.comm_report(reset=True)
@@ -252,10 +249,7 @@ def _bytes_against_fsdp2(rank: int, world_size: int) -> dict:
     counter = WireCounter()
     for i in range(1 + WINDOW_STEPS):
         with counter if i else contextlib.nullcontext():
-            model(input_ids=ids, labels=ids).loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad()
+            plain_steps(model, opt, [ids], clip=1.0)
     fsdp2 = counter.counter.report()["bytes"]
     model = make_model("llama")
     # chunks packed only up to the largest parameter: little padding, as a searched plan packs

@@ -16,6 +16,7 @@ from hf_elixir.profile.needs import trace_fetch_needs
 from hf_elixir.runtime import fetch as fetch_mod
 from hf_elixir.runtime import module as module_mod
 from hf_elixir.runtime.chunk import Chunk
+from loops import elixir_steps
 from tiny_models import make_batch, make_model
 
 BATCH = (GLOBAL_BATCH // 2, SEQ)
@@ -97,13 +98,13 @@ def _record(rank: int, world_size: int, arch: str) -> list:
             opt, _ = make_optimizer(model)
             eopt = hfe.ElixirOptimizer(em, opt)
             ids = make_batch(GLOBAL_BATCH, SEQ)[rank * BATCH[0]:(rank + 1) * BATCH[0]]
-            steps = []
-            for _ in range(4):
+            steps: list[list[dict]] = []
+
+            def new_step(_: int) -> None:  # each step's gathers in a list of their own
                 log.entries = []
-                eopt.backward(em(input_ids=ids, labels=ids).loss)
-                eopt.step()
-                eopt.zero_grad()
                 steps.append(log.entries)
+
+            elixir_steps(em, eopt, [ids] * 4, each_step=new_step)
             em.close()
             results.append((name, plan.to_dict(), steps))
     finally:

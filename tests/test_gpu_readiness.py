@@ -26,6 +26,7 @@ from equivalence import assert_matches, elixir_run, reference_run
 from harness import run_distributed
 from hf_elixir.runtime import comm as comm_mod
 from hf_elixir.runtime import module as module_mod
+from loops import elixir_steps
 from test_equivalence import case_plans
 from tiny_models import make_batch, make_model
 
@@ -360,11 +361,7 @@ def test_world_size_1_gathers_in_place_and_accumulates_into_the_shard() -> None:
     ptrs = []
     model.model.layers[0].mlp.up_proj.register_forward_pre_hook(
         lambda m, a: ptrs.append(weight.untyped_storage().data_ptr()))
-    ids = make_batch(2, 8)
-    for _ in range(2):
-        eopt.backward(em(input_ids=ids, labels=ids).loss)
-        eopt.step()
-        eopt.zero_grad()
+    elixir_steps(em, eopt, [make_batch(2, 8)] * 2)
     assert ptrs == [chunk.shard.untyped_storage().data_ptr()] * 2, "the parameter views the shard itself"
     report = em.memory_report()
     assert report["peak"]["rcache"] == 0 and report["peak"]["grad_buffers"] == 0

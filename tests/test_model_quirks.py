@@ -13,55 +13,29 @@ import torch
 import hf_elixir as hfe
 from equivalence import assert_matches
 from harness import run_distributed
+from loops import elixir_steps, plain_steps
 from quirk_models import QUIRKS, make_quirk
 from tiny_models import make_batch
 
 STEPS, CHUNK = 3, 1024
 
 
-def _elixir_steps(em, eopt, ids: torch.Tensor, world_size: int) -> list[float]:
-    """STEPS clipped AdamW steps through hf_elixir; the loss averaged over the ranks."""
-    import torch.distributed as dist
-
-    losses = []
-    for _ in range(STEPS):
-        loss = em(input_ids=ids, labels=ids)["loss"]  # quirk models return a dict
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
-    return losses
-
 def reference(name: str) -> dict:
     model = make_quirk(name)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    ids = make_batch(4, 12)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, labels=ids)["loss"]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(model, opt, [make_batch(4, 12)] * STEPS, clip=1.0)
     with torch.no_grad():
         logits = model(input_ids=make_batch(2, 12, seed=5))["logits"]
     return {"losses": losses, "state": model.state_dict(), "eval_logits": logits}
 
 
 def _elixir(rank: int, world_size: int, name: str, rcache_blocks: int | None) -> dict:
-    import torch.distributed as dist
-
     model = make_quirk(name)
     plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=CHUNK, rcache_blocks=rcache_blocks,
                                  offload_fraction=0.5)
     em = hfe.ElixirModule(model, plan)
     eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
-    ids = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
-    losses = _elixir_steps(em, eopt, ids, world_size)
+    losses = elixir_steps(em, eopt, [make_batch(4, 12)[rank * 2 : rank * 2 + 2]] * STEPS, clip=1.0)
     em.eval()
     with torch.no_grad():
         logits = em(input_ids=make_batch(2, 12, seed=5))["logits"]
@@ -190,29 +164,15 @@ def _moe_plain(splits: int) -> dict:
     own load-balancing statistic) averaged."""
     model = _moe_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6)
-    ids = make_batch(4, 12)
-    losses = []
-    for _ in range(STEPS):
-        total = 0.0
-        for rows in ids.chunk(splits):
-            loss = model(input_ids=rows, labels=rows).loss / splits
-            loss.backward()
-            total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(total)
+    losses = plain_steps(model, opt, list(make_batch(4, 12).chunk(splits)) * STEPS, clip=1.0, accumulate=splits)
     return {"losses": losses, "state": model.state_dict()}
 
 
 def _moe_elixir(rank: int, world_size: int) -> dict:
-    import torch.distributed as dist
-
     model = _moe_model()
     em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=4096))
     eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
-    rows = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
-    losses = _elixir_steps(em, eopt, rows, world_size)
+    losses = elixir_steps(em, eopt, [make_batch(4, 12)[rank * 2 : rank * 2 + 2]] * STEPS, clip=1.0)
     return {"losses": losses, "state": em.state_dict()}
 
 

@@ -14,6 +14,7 @@ silently empty tensor (runtime/released.py, runtime/hooks.py ``read_released``).
 
 from __future__ import annotations
 
+import contextlib
 import types
 import warnings
 
@@ -25,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 from equivalence import assert_matches
 from harness import run_distributed
+from loops import elixir_steps, plain_steps
 from tiny_models import make_batch, make_model
 
 W = 2
@@ -71,20 +73,26 @@ def regularised_parameter(model) -> tuple[str, torch.nn.Parameter]:
 
 
 # ---------------------------------------------------------------------- plain reference
+def loss_with(fused: bool, regularise: bool, weight: torch.nn.Parameter | None, gathered=contextlib.nullcontext):
+    """The micro-batch loss: the head fused into it or not, and the regulariser on ``weight``
+    computed outside the forward (read inside ``gathered(weight)``) or not."""
+    ask = {"fused_head": True} if fused else {}
+
+    def loss_fn(model, ids):
+        loss = model(input_ids=ids, labels=ids, **ask)["loss"]
+        if regularise:  # every rank adds the same term; averaged over ranks it counts once
+            with gathered(weight):
+                loss = loss + REG * weight.pow(2).mean()
+        return loss
+
+    return loss_fn
+
+
 def reference(arch: str, fused: bool, regularise: bool) -> dict:
     model = build(arch, fused)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=1e-6)
-    ids = make_batch(BATCH, SEQ)
     _, weight = regularised_parameter(model)
-    losses = []
-    for _ in range(STEPS):
-        loss = model(input_ids=ids, labels=ids, **({"fused_head": True} if fused else {}))["loss"]
-        if regularise:
-            loss = loss + REG * weight.pow(2).mean()
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(model, opt, [make_batch(BATCH, SEQ)] * STEPS, loss_fn=loss_with(fused, regularise, weight))
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 
@@ -101,8 +109,6 @@ def _wrap(model, world_size: int):
 
 
 def elixir(rank: int, world_size: int, arch: str, fused: bool, regularise: bool) -> dict:
-    import torch.distributed as dist
-
     import hf_elixir as hfe
     from hf_elixir.runtime.released import ReleasedParameterError
 
@@ -114,7 +120,7 @@ def elixir(rank: int, world_size: int, arch: str, fused: bool, regularise: bool)
     ids = make_batch(BATCH, SEQ)
     per = BATCH // world_size
     rows = ids[rank * per : (rank + 1) * per]
-    out: dict = {"losses": []}
+    out: dict = {}
 
     # outside any forward: metadata answers, a read raises naming the parameter
     out["shape_while_released"] = tuple(weight.shape)
@@ -129,17 +135,8 @@ def elixir(rank: int, world_size: int, arch: str, fused: bool, regularise: bool)
     caught = warnings.catch_warnings(record=True)
     out["warnings"] = caught.__enter__()
     warnings.simplefilter("always")
-    for _ in range(STEPS):
-        loss = emodel(input_ids=rows, labels=rows, **({"fused_head": True} if fused else {}))["loss"]
-        if regularise:  # every rank adds the same term; averaged over ranks it counts once
-            with emodel.gathered_parameters(weight):
-                loss = loss + REG * weight.pow(2).mean()
-        eopt.backward(loss)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        out["losses"].append(total.item() / world_size)
+    out["losses"] = elixir_steps(emodel, eopt, [rows] * STEPS,
+                                 loss_fn=loss_with(fused, regularise, weight, emodel.gathered_parameters))
     caught.__exit__(None, None, None)
     out["warnings"] = [str(w.message) for w in out["warnings"] if issubclass(w.category, RuntimeWarning)]
     out["state"] = emodel.state_dict()
@@ -231,12 +228,8 @@ def watched_steps(rank: int, world_size: int, model_type: str, fused: bool, old_
     try:
         with watch:
             ask = {"fused_head": True} if fused else {}
-            for _ in range(2):  # a training step, then one more after the optimizer released all
-                loss = emodel(input_ids=ids, labels=ids, **ask)["loss"]
-                eopt.backward(loss)
-                eopt.clip_grad_norm_(1.0)
-                eopt.step()
-                eopt.zero_grad()
+            # a training step, then one more after the optimizer released all
+            elixir_steps(emodel, eopt, [ids] * 2, clip=1.0, loss_fn=loss_with(fused, False, None))
             emodel.eval()
             with torch.no_grad():
                 emodel(input_ids=ids, labels=ids, **ask)

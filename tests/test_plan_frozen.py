@@ -22,10 +22,11 @@ import hf_elixir as hfe
 from equivalence import assert_matches
 from harness import run_distributed
 from hf_elixir.hardware import HardwareProfile
-from hf_elixir.planner import cost, packing, search, traffic
+from hf_elixir.planner import packing, search
 from hf_elixir.planner.record import ElixirPlan, PlanError
 from hf_elixir.profile.params import chunked_parameters
 from hf_elixir.profile import profile_model
+from loops import elixir_steps, plain_steps
 from tiny_models import make_batch, make_model
 
 W = 2
@@ -204,26 +205,17 @@ def make_plans() -> dict[tuple[str, str], str]:
 
 def _train(rank: int, world_size: int, name: str, plan_json: str) -> dict:
     """One rank: 1 + STEPS steps; the ledger, the byte counter over the last STEPS steps."""
-    import torch.distributed as dist
-
     model = MODELS[name]()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=1e-6)
     em = hfe.ElixirModule(model, ElixirPlan.from_json(plan_json))
     eopt = hfe.ElixirOptimizer(em, opt)
-    ids = make_batch(BATCH, SEQ)
-    rows = ids[rank * PER_RANK[0]: (rank + 1) * PER_RANK[0]]
-    losses = []
-    for step in range(1 + STEPS):
+    rows = make_batch(BATCH, SEQ)[rank * PER_RANK[0]: (rank + 1) * PER_RANK[0]]
+
+    def count_from_step_1(step: int) -> None:
         if step == 1:
             em.comm_report(reset=True)
-        loss = em(input_ids=rows, labels=rows)["loss"]
-        eopt.backward(loss)
-        eopt.clip_grad_norm_(1.0)
-        eopt.step()
-        eopt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world_size)
+
+    losses = elixir_steps(em, eopt, [rows] * (1 + STEPS), clip=1.0, each_step=count_from_step_1)
     memory, comm = em.memory_report(), em.comm_report()
     state = em.state_dict()  # a collective: every rank gathers
     return {"losses": losses, "memory": memory, "comm": comm, "state": state if rank == 0 else None}
@@ -236,15 +228,7 @@ def _all(rank: int, world_size: int, plans: dict) -> dict:
 def reference(name: str) -> dict:
     model = MODELS[name]()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, eps=1e-6)
-    ids = make_batch(BATCH, SEQ)
-    losses = []
-    for _ in range(1 + STEPS):
-        loss = model(input_ids=ids, labels=ids)["loss"]
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = plain_steps(model, opt, [make_batch(BATCH, SEQ)] * (1 + STEPS), clip=1.0)
     return {"losses": losses, "state": {k: v.detach().clone() for k, v in model.state_dict().items()}}
 
 

@@ -10,6 +10,7 @@ import torch
 import hf_elixir as hfe
 from equivalence import assert_state_close, reference_run
 from harness import run_distributed
+from loops import elixir_steps, plain_steps
 from tiny_models import make_batch, make_model
 
 
@@ -149,11 +150,7 @@ def _memory(rank: int, world_size: int) -> dict:
 
         Chunk.start_gather = watch
         try:
-            ids = make_batch(4, 16)[rank * 2 : rank * 2 + 2]
-            for _ in range(2):
-                eopt.backward(em(input_ids=ids, labels=ids)["loss"])
-                eopt.step()
-                eopt.zero_grad()
+            elixir_steps(em, eopt, [make_batch(4, 16)[rank * 2 : rank * 2 + 2]] * 2)
         finally:
             Chunk.start_gather = real_start
         out[name] = {"report": em.memory_report(), "storage_peak": peak[0], "n_chunks": plan.n_chunks}
@@ -187,16 +184,12 @@ def test_lr_schedulers_drive_the_elixir_optimizer() -> None:
     sched = get_linear_schedule_with_warmup(eopt, num_warmup_steps=2, num_training_steps=6)
     rsched = get_linear_schedule_with_warmup(ropt, num_warmup_steps=2, num_training_steps=6)
     ids = make_batch(4, 16)
-    for _ in range(4):
-        eopt.backward(em(input_ids=ids, labels=ids).loss)
-        eopt.step()
-        sched.step()
-        eopt.zero_grad()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        ropt.step()
-        rsched.step()
-        ropt.zero_grad()
-        assert eopt.param_groups[0]["lr"] == ropt.param_groups[0]["lr"]
+    got: list[float] = []  # the lr of each step
+    elixir_steps(em, eopt, [ids] * 4, scheduler=sched, each_step=lambda _: got.append(eopt.param_groups[0]["lr"]))
+    want: list[float] = []
+    plain_steps(ref, ropt, [ids] * 4, scheduler=rsched, each_step=lambda _: want.append(ropt.param_groups[0]["lr"]))
+    # the lr after each step: the next step's, and after the last step the optimizer's
+    assert got[1:] + [eopt.param_groups[0]["lr"]] == want[1:] + [ropt.param_groups[0]["lr"]]
     assert_state_close(ref.state_dict(), em.state_dict(), label="scheduled")
 
 
@@ -206,15 +199,8 @@ def _optimizer_state(rank: int, world_size: int) -> dict:
     eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-2))
     ids = make_batch(4, 16)[rank * 2 : rank * 2 + 2]
 
-    def train(steps):
-        losses = []
-        for _ in range(steps):
-            loss = em(input_ids=ids, labels=ids).loss
-            eopt.backward(loss)
-            eopt.step()
-            eopt.zero_grad()
-            losses.append(loss.item())
-        return losses
+    def train(steps):  # each rank's own losses
+        return elixir_steps(em, eopt, [ids] * steps, average=False)
 
     train(2)
     model_state, opt_state = em.state_dict(), eopt.state_dict()
@@ -384,14 +370,8 @@ def test_a_backward_that_raises_leaves_the_runtime_usable() -> None:
         em(input_ids=ids, labels=ids).loss.backward()
     handle.remove()
     eopt.zero_grad()
-    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6)
-    for _ in range(2):
-        eopt.backward(em(input_ids=ids, labels=ids).loss)
-        eopt.step()
-        eopt.zero_grad()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        ropt.step()
-        ropt.zero_grad()
+    elixir_steps(em, eopt, [ids] * 2)
+    plain_steps(ref, torch.optim.AdamW(ref.parameters(), lr=1e-3, eps=1e-6), [ids] * 2)
     assert em.memory_report()["current"]["grad_buffers"] == 0
     assert_state_close(ref.state_dict(), em.state_dict(), label="after a failed backward")
 
