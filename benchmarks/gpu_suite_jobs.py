@@ -106,9 +106,9 @@ def build_model(spec: dict, dtype: torch.dtype) -> nn.Module:
 def enable_checkpointing(model: nn.Module) -> None:
     """The baselines checkpoint activations the way hf_elixir's plan does (the model's own
     switch, non-reentrant)."""
-    from hf_elixir.runtime.module import _enable_activation_checkpointing
+    from hf_elixir.profile.profiler import enable_checkpointing as enable
 
-    _enable_activation_checkpointing(model)
+    enable(model)
 
 
 def free_port() -> int:

@@ -35,7 +35,7 @@ from hf_elixir.integrations.launch import LaunchError, default_config, launch, w
 from hf_elixir.integrations.plugin import ElixirPlugin
 from hf_elixir.measure import calibrate_machine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # hf_elixir/cli/demo.py -> the checkout
 EXAMPLES = ROOT / "examples"
 DATA = EXAMPLES / "data"
 SCRIPT = EXAMPLES / "finetune_gpt2_trainer.py"
