@@ -11,6 +11,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
+#: holds the sitecustomize.py that gives plain reference runs a clean exit (see that file)
+REFERENCE_SITE = Path(__file__).resolve().parent / "reference_site"
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -36,10 +38,20 @@ def hf_elixir(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout:
 
 
 def accelerate_launch(config: Path, port: int, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """Plain Accelerate; on a CPU machine its multi-process path needs ACCELERATE_USE_CPU."""
+    """Plain Accelerate; on a CPU machine its multi-process path needs ACCELERATE_USE_CPU.
+
+    Its processes destroy their process groups at a normal exit (``REFERENCE_SITE``), as
+    hf_elixir's do, so an upstream abort at interpreter teardown does not fail the reference.
+    """
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
            "--main_process_port", str(port), str(SCRIPTS / script), *args]
-    return check(run(cmd, cwd, worker_env(ACCELERATE_USE_CPU="true")))
+    return check(run(cmd, cwd, reference_env()))
+
+
+def reference_env(**extra: str) -> dict[str, str]:
+    """The environment of a plain reference run: ``worker_env`` with ``REFERENCE_SITE`` first."""
+    return worker_env(ACCELERATE_USE_CPU="true", PYTHONPATH=os.pathsep.join([str(REFERENCE_SITE), str(ROOT)]),
+                      **extra)
 
 
 def elixir_launch(config: Path, port: int, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -14,11 +14,15 @@ handler rather than left to the interpreter's teardown.
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 from harness import free_port
-from integration_helpers import SCRIPTS, hf_elixir, worker_env
+from hf_elixir.integrations.launch import accelerate_view, read_config
+from integration_helpers import REFERENCE_SITE, SCRIPTS, accelerate_launch, hf_elixir, reference_env, worker_env
 
 ABORT_SIGNS = ("terminate called", "Aborted", "SIGABRT", "Signal 6", "core dumped", "Exception ignored",
                "Traceback", "could not destroy")
@@ -48,3 +52,19 @@ def test_training_run_exits_cleanly(config, tmp_path, run, ending) -> None:
     for rank in (0, 1):
         assert f"rank {rank} trained" in proc.stdout
         assert f"rank {rank} process groups at exit: destroyed" in proc.stdout
+
+
+def test_plain_reference_runs_exit_cleanly(config, tmp_path) -> None:
+    """The plain ``accelerate launch`` runs the tests compare against get the same exit hygiene
+    (tests/reference_site), so an upstream abort at teardown cannot fail a comparison."""
+    probe = "import sitecustomize; print(sitecustomize.__file__)"
+    found = subprocess.run([sys.executable, "-c", probe], env=reference_env(), capture_output=True, text=True)
+    assert found.returncode == 0 and str(REFERENCE_SITE / "sitecustomize.py") in found.stdout, found.stderr
+    plain, _ = accelerate_view(read_config(config), cuda=False)
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(plain))
+    proc = accelerate_launch(tmp_path / "plain.yaml", free_port(), "exit_loop.py", "--ending", "none", cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    for sign in ABORT_SIGNS:
+        assert sign not in output, f"{sign!r} in the reference launcher's output\n{output[-6000:]}"
+    for rank in (0, 1):
+        assert f"rank {rank} trained" in proc.stdout
