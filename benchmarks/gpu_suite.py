@@ -18,7 +18,11 @@ so a stuck job cannot eat the time of the sections after it):
 4. scale: the largest Llama-style model hf_elixir takes one step on under the 24 GiB cap,
    trying 7B, then 13B (planned from the config first: a plan that cannot fit the
    machine's host memory is refused in seconds, not after minutes of loading).
-5. fidelity: the plan's predicted peak memory and step time against the measured ones,
+5. recovery: the section-2 model trained 3 steps, then squeezed (allocations capped at 80%
+   of the peak those steps reached) for 3 more: whether the runtime recovers from the
+   out-of-memory errors that follow (docs/recovery.md), what it changed, how long the
+   recovering step took and the throughput after it. A dry run injects the error instead.
+6. fidelity: the plan's predicted peak memory and step time against the measured ones,
    for hf_elixir in sections 2 and 4.
 
 Results: ``benchmarks/results/gpu_suite.json`` (``--out`` elsewhere; a dry run writes to a
@@ -56,7 +60,7 @@ GPU_SETTINGS = {
     # per job: (the most seconds it may take, the least worth starting it with); the
     # deadline keeps the least of every later job in reserve
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
-                 "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90)},
+                 "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45)},
     "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
                                                       "d_all_cpu", "e_checkpointing"],
 }
@@ -70,7 +74,7 @@ DRY_SETTINGS = {
               {"name": "llama-tiny-128", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=128, intermediate_size=256)}],
     "scale_batch": 1, "scale_seq": 32,
     "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
-                 "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20)},
+                 "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20)},
     "smoke_archs": ["gpt2"], "smoke_plans": ["a_all_device", "d_all_cpu"],
 }
 
@@ -149,7 +153,7 @@ def section_smoke(runner: Runner, s: dict) -> dict:
 
 def section_offload(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]
-    later = _least(s, "mfu", "mfu", "scale")
+    later = _least(s, "mfu", "mfu", "scale", "recovery")
     return {
         "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"], later + _least(s, "fsdp2", "deepspeed")),
         "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"],
@@ -163,8 +167,9 @@ def section_offload(runner: Runner, s: dict) -> dict:
 def section_mfu(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]["mfu"]
     return {
-        "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t, _least(s, "mfu", "scale")),
-        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t, _least(s, "scale")),
+        "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t,
+                                _least(s, "mfu", "scale", "recovery")),
+        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t, _least(s, "scale", "recovery")),
     }
 
 
@@ -174,12 +179,17 @@ def section_scale(runner: Runner, s: dict) -> dict:
     for spec in s["scale"]:
         job = train_job(s, "hf_elixir", model=spec, batch=s["scale_batch"], seq=s["scale_seq"],
                         warmup=0, steps=1, model_dtype="bf16")
-        result = runner.run(job, s["timeouts"]["scale"])
+        result = runner.run(job, s["timeouts"]["scale"], _least(s, "recovery"))
         tried.append({"model": spec["name"], **result})
         if result.get("status") != "ok":
             break
     ok = [r for r in tried if r.get("status") == "ok"]
     return {"largest": ok[-1]["model"] if ok else None, "tried": tried}
+
+
+def section_recovery(runner: Runner, s: dict) -> dict:
+    job = train_job(s, "hf_elixir", job="recovery", warmup=3, steps=3, squeeze=0.8)
+    return runner.run(job, s["timeouts"]["recovery"])
 
 
 def fidelity(results: dict) -> list[dict]:
@@ -236,6 +246,13 @@ def summary_lines(results: dict) -> list[str]:
                 if r.get("status") == "ok" else r.get("error", ""))
         lines.append(f"{'scale':12s} {str(r['model'])[:18]:18s} {r.get('status', ''):8s} {r.get('tokens_per_s', 0):9.0f} "
                      f"{r.get('median_step_s', 0):7.3f} {_gib(r.get('max_memory_allocated')):>8s}  {note[:60]}")
+    r = results.get("recovery", {})
+    if r:
+        events = r.get("events") or []
+        changes = ", ".join(e["change"] for e in events if e.get("change")) or r.get("error", "")[:60]
+        lines.append(f"{'recovery':12s} {'hf_elixir':18s} {r.get('status', ''):8s} "
+                     f"{r.get('tokens_per_s_after') or 0:9.0f} {r.get('recovery_step_s') or 0:7.3f} "
+                     f"{_gib(r.get('squeezed_to_bytes')):>8s}  {len(events)} failure(s); {changes[:50]}")
     for row in results.get("fidelity", []):
         lines.append(f"fidelity {row['section']:11s} peak measured/predicted {row['peak_ratio'] or 0:.2f}, "
                      f"step {row['step_ratio'] or 0:.2f}  ({row['peak_source']})")
@@ -291,7 +308,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["environment"][key] = results["smoke"]["direct"].get(key)
         save()
         if results["smoke"]["status"] == "ok":
-            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu), ("scale", section_scale)):
+            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu), ("scale", section_scale),
+                                  ("recovery", section_recovery)):
                 results[name] = section(runner, settings)
                 save()
         else:
@@ -299,11 +317,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["offload_24g"] = {k: skipped for k in ("hf_elixir", "fsdp2_offload", "deepspeed_offload")}
             results["mfu"] = {k: skipped for k in ("hf_elixir", "fsdp2")}
             results["scale"] = {"largest": None, "tried": []}
+            results["recovery"] = skipped
     results["fidelity"] = fidelity(results)
     save()
     print("\n".join(summary_lines(results)))
     print(f"wrote {out}")
     jobs = [r for sec in ("offload_24g", "mfu") for r in results[sec].values()] + results["scale"]["tried"]
+    jobs.append(results["recovery"])
     failed = results["smoke"]["status"] != "ok" or any(r.get("status") == "error" for r in jobs)
     return 1 if failed else 0
 

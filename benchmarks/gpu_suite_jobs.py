@@ -317,6 +317,58 @@ def run_train(job: dict) -> dict:
     return out
 
 
+def run_recovery(job: dict) -> dict:
+    """Out-of-memory recovery on the device: train ``warmup`` steps with the planned plan,
+    then take memory away (``squeeze``: cap allocations at that fraction of the peak those
+    steps reached; on a CPU, where no cap exists, an injected error at the next step stands
+    in for it) and train ``steps`` more. Records what failed, what the runtime changed, the
+    wall time of the step that recovered, and the throughput before and after."""
+    import hf_elixir as hfe
+
+    device = device_and_cap(dict(job, cap_bytes=None))
+    out: dict[str, Any] = {"system": "hf_elixir", "model": job["model"].get("name"), "device": str(device)}
+    try:
+        plan, _ = plan_for(job, device)
+    except hfe.PlanError as exc:
+        return dict(out, status="infeasible", error=str(exc)[:600])
+    if device.type == "cpu":
+        os.environ["ELIXIR_INJECT_OOM"] = f"{job['warmup']}:forward"
+    model = build_model(job["model"], torch.float32)
+    em = hfe.ElixirModule(model, plan, device=device)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
+    step = elixir_step(em, opt)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    vocab, tokens = model.config.vocab_size, job["batch"] * job["seq"]
+    out["plan"] = {"rcache_blocks": plan.rcache_blocks, "activation_checkpointing": plan.activation_checkpointing,
+                   "predicted_peak_bytes": plan.predictions.get("peak_bytes")}
+    times = []
+    for i in range(job["warmup"] + job["steps"]):
+        if i == job["warmup"] and device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device)
+            total = torch.cuda.get_device_properties(device).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, job["squeeze"] * peak / total), device)
+            out["squeezed_to_bytes"], out["peak_before_bytes"] = job["squeeze"] * peak, peak
+        ids = torch.randint(0, vocab, (job["batch"], job["seq"]), generator=torch.Generator().manual_seed(i))
+        sync()
+        t0 = time.perf_counter()
+        try:
+            step(ids)
+        except hfe.RecoveryFailed as exc:
+            return dict(out, status="not_recovered", error=str(exc)[:600], events=em.recovery.log.events,
+                        step_times_s=times)
+        sync()
+        times.append(time.perf_counter() - t0)
+    before, after = times[1:job["warmup"]] or times[:1], times[job["warmup"] + 1:]
+    out.update(status="ok" if em.recovery.log.events else "no_failure", events=em.recovery.log.events,
+               step_times_s=times, recovery_step_s=times[job["warmup"]],
+               tokens_per_s_before=tokens / statistics.median(before),
+               tokens_per_s_after=tokens / statistics.median(after) if after else None,
+               plan_after={"rcache_blocks": em.plan.rcache_blocks,
+                           "activation_checkpointing": em.plan.activation_checkpointing,
+                           "recovery": em.plan.predictions.get("recovery")})
+    return out
+
+
 def run_smoke(job: dict) -> dict:
     """The equivalence recipe on the compute device: fp32 plans against plain PyTorch on
     the same device, bf16 against the fp32 reference's losses."""
@@ -371,7 +423,8 @@ def run_smoke(job: dict) -> dict:
 def main() -> None:
     job, result_path = json.loads(sys.argv[1]), Path(sys.argv[2])
     try:
-        result = run_smoke(job) if job["job"] == "smoke" else run_train(job)
+        runs = {"smoke": run_smoke, "recovery": run_recovery}
+        result = runs.get(job["job"], run_train)(job)
     except torch.cuda.OutOfMemoryError as exc:
         result = {"status": "oom", "error": str(exc).split("\n")[0][:400]}
         if torch.cuda.is_available():

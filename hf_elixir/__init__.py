@@ -10,6 +10,7 @@ from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
 from hf_elixir.planner import ChunkPlan, ElixirPlan, PlanError, plan
 from hf_elixir.profile import ModelProfile, profile_model
 from hf_elixir.runtime import DynamicLossScaler, ElixirModule, ElixirOptimizer
+from hf_elixir.runtime.recovery import RecoveryFailed
 from hf_elixir.runtime.released import ReleasedParameterError
 from hf_elixir.vocab import HfElixirError
 from hf_elixir import measure  # registers the model timer with the planner (efficiency="auto")
@@ -41,6 +42,7 @@ __all__ = [
     "HfElixirError",
     "ModelProfile",
     "PlanError",
+    "RecoveryFailed",
     "ReleasedParameterError",
     "parse_memory",
     "plan",

@@ -54,3 +54,9 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     rows = data["fidelity"]
     assert {r["section"] for r in rows} == {"offload_24g", "scale"} and len(rows) == 3
     assert all(r["peak_ratio"] > 0 and r["step_ratio"] > 0 for r in rows)
+
+    recovery = data["recovery"]  # on a CPU the squeeze is an injected out-of-memory error
+    assert recovery["status"] == "ok", f"{recovery.get('error')}\n{recovery.get('traceback', '')}"
+    assert len(recovery["events"]) == 1 and recovery["events"][0]["change"]
+    assert len(recovery["step_times_s"]) == 6 and recovery["tokens_per_s_after"] > 0
+    assert "recovery" in proc.stdout

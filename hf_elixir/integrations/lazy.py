@@ -51,13 +51,16 @@ class LazyElixirModule(ElixirModule):
         on_shard: called with this module once it is sharded, before that forward runs (the
             accelerator wraps the optimizers prepared beside it and applies a pending
             ``load_state`` there).
+        recover_oom: as for ElixirModule.
     """
 
     def __init__(self, model: nn.Module, make_plan: Callable[[tuple[int, int]], ElixirPlan],
-                 device: torch.device, on_shard: Callable[["LazyElixirModule"], None]) -> None:
+                 device: torch.device, on_shard: Callable[["LazyElixirModule"], None],
+                 recover_oom: bool = True) -> None:
         nn.Module.__init__(self)
         self.module = model
-        self.__dict__["_lazy"] = {"make_plan": make_plan, "device": device, "on_shard": on_shard}
+        self.__dict__["_lazy"] = {"make_plan": make_plan, "device": device, "on_shard": on_shard,
+                                  "recover_oom": recover_oom}
 
     @property
     def sharded(self) -> bool:
@@ -94,7 +97,8 @@ class LazyElixirModule(ElixirModule):
         hooks = {k: v for k, v in self.__dict__.items() if k.startswith("_") and "hook" in k}
         del self.__dict__["_lazy"]
         try:
-            ElixirModule.__init__(self, self._modules["module"], plan, device=device)
+            ElixirModule.__init__(self, self._modules["module"], plan, device=device,
+                                  recover_oom=lazy["recover_oom"])
         except BaseException:
             self.__dict__["_lazy"] = lazy
             raise

@@ -82,6 +82,8 @@ class ElixirPlugin:
     efficiency: Optional[Union[str, float]] = _option(
         "how the search prices compute: `auto` (time the model first on a calibrated machine), "
         "`measure`, `calibrated`, or a number", "`auto`")
+    recover_oom: Optional[Union[str, bool]] = _option(
+        "re-plan and redo a step that runs out of memory instead of stopping (docs/recovery.md)", "`true`")
     _from_env: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -101,6 +103,7 @@ class ElixirPlugin:
         self.batch_size = _number("batch_size", self.batch_size, int, minimum=1)
         self.seq_len = _number("seq_len", self.seq_len, int, minimum=1)
         self.efficiency = _efficiency(self.efficiency if self.efficiency is not None else "auto")
+        self.recover_oom = _boolean("recover_oom", self.recover_oom, default=True)
         if self.gpu_memory is not None:
             try:
                 parse_memory(self.gpu_memory)
@@ -211,6 +214,17 @@ def options_table() -> str:
 
 def env_name(option: str) -> str:
     return ENV_PREFIX + option.upper()
+
+
+def _boolean(name: str, value: Union[str, bool, None], default: bool) -> bool:
+    if value is None:
+        return default
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word in TRUE or word in FALSE:
+        return word in TRUE
+    raise ElixirConfigError(f"elixir option {name}: {value!r} is not a boolean; use true or false")
 
 
 def _offload(value: Union[str, float]) -> Union[str, float]:

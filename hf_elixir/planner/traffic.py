@@ -180,8 +180,9 @@ def step_traffic(chunk_numels: Sequence[int], itemsize: int, gathers: Sequence[i
             out.add("host_to_device", shard)
     if W > 1:
         for _ in range(micro_batches):
-            out.collective("all_reduce", len(chunk_numels), W)  # late-chunk flags (uint8)
-        out.collective("all_reduce", n_params, W)  # which parameters got a gradient (uint8)
+            # late-chunk flags and the ranks' health (uint8; runtime/reduce.py)
+            out.collective("all_reduce", len(chunk_numels) + 1, W)
+        out.collective("all_reduce", n_params + 1, W)  # which parameters got a gradient, any failure (uint8)
         if norm_type is not None:
             out.collective("all_reduce", _NORM_BYTES["inf" if math.isinf(norm_type) else "2"], W)
         if loss_scaling:

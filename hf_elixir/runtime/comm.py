@@ -29,13 +29,15 @@ package accepts runs the same code.
 from __future__ import annotations
 
 import atexit
+import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from hf_elixir.planner.traffic import COLLECTIVES_ENV, CommCounter, host_collectives
+from hf_elixir.runtime.schedule import Schedule
 
 
 class _WaitAll:
@@ -54,6 +56,8 @@ class Work:
     def __init__(self, handle: Optional[object] = None, then: Optional[Callable[[], object]] = None) -> None:
         self._handle = handle
         self._then = then
+        self.schedule: Optional[Schedule] = None  # set when the schedule tracks this collective
+        self.serial = -1
         if handle is None and then is not None:  # synchronous: finish now
             self.wait()
 
@@ -64,6 +68,8 @@ class Work:
 
     def wait(self) -> None:
         if self._handle is not None:
+            if self.schedule is not None:
+                self.schedule.waited(self.serial)
             self._handle.wait()
             self._handle = None
         if self._then is not None:
@@ -131,6 +137,9 @@ class Collectives:
     closed: bool = field(default=False, repr=False)
     #: asynchronous collectives issued and perhaps not waited for (see ``drain``)
     in_flight: list = field(default_factory=list, repr=False)
+    #: the collectives of each training pass, for a hollow finish after a failure (schedule.py)
+    schedule: Schedule = field(default_factory=Schedule, repr=False)
+    _recording: bool = field(default=True, repr=False)
 
     @classmethod
     def create(cls, process_group: Optional[dist.ProcessGroup] = None,
@@ -178,6 +187,19 @@ class Collectives:
         works, self.in_flight = self.in_flight, []
         for work in works:
             work.wait()
+
+    def _record(self, call: tuple, work: Optional[Work] = None) -> None:
+        if self._recording:
+            self.schedule.issued(call, work)
+
+    @contextlib.contextmanager
+    def not_recording(self) -> Iterator[None]:
+        """Collectives made inside are not part of any schedule (a hollow finish)."""
+        before, self._recording = self._recording, False
+        try:
+            yield
+        finally:
+            self._recording = before
 
     def _track(self, work: Work) -> Work:
         """Remember an asynchronous collective until it is waited for (``drain``)."""
@@ -242,11 +264,13 @@ class Collectives:
                 for r in range(self.world_size)
             ]
             work = Work(_WaitAll(handles))
+            self._record(("all_gather", n, shard.dtype, async_op), work if async_op else None)
             if not async_op:
                 work.wait()
                 return work
             return self._track(work)
         work = Work(self._gather_fn(output, shard, group=self.gather_group, async_op=async_op))
+        self._record(("all_gather", shard.numel(), shard.dtype, async_op), work if async_op else None)
         return self._track(work) if async_op else work
 
     @property
@@ -270,9 +294,15 @@ class Collectives:
             piece = full[self.rank * n : (self.rank + 1) * n]
             self.counter.collective("all_reduce", full.numel() * full.element_size(), self.world_size)
             handle = dist.all_reduce(full, group=self.reduce_group, async_op=async_op)
-            return Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size, self.counter))
-        return self.reduce_scatter_mean(scratch, full, async_op,
-                                        then=lambda: _accumulate(target, scratch, 1.0, self.counter))
+            work = Work(handle, then=lambda: _accumulate(target, piece, 1.0 / self.world_size, self.counter))
+            self._record(("reduce_scatter_accumulate", n, full.numel(), full.dtype, async_op),
+                         work if async_op else None)
+            return work
+        with self.not_recording():
+            work = self.reduce_scatter_mean(scratch, full, async_op,
+                                            then=lambda: _accumulate(target, scratch, 1.0, self.counter))
+        self._record(("reduce_scatter_accumulate", n, full.numel(), full.dtype, async_op), work if async_op else None)
+        return work
 
     def reduce_scatter_mean(self, out: torch.Tensor, full: torch.Tensor, async_op: bool = False,
                             then: Optional[Callable[[], object]] = None) -> Work:
@@ -282,13 +312,18 @@ class Collectives:
         self.counter.collective("reduce_scatter", full.numel() * full.element_size(), self.world_size)
         handle = self._reduce_scatter_fn(out, full, op=dist.ReduceOp.AVG, group=self.reduce_group,
                                          async_op=async_op)
-        return Work(handle, then=then)
+        work = Work(handle, then=then)
+        self._record(("reduce_scatter_mean", out.numel(), full.numel(), full.dtype, async_op),
+                     work if async_op else None)
+        return work
 
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", tag: str = "") -> torch.Tensor:
         """In-place all-reduce of a small tensor (flags, norms), wherever it lives: NCCL
         reduces only device tensors, so host tensors make a round trip through the compute
-        device (the one the groups were made for, not whatever device happens to be current)."""
+        device (the one the groups were made for, not whatever device happens to be current).
+        ``tag`` names the collective in the pass's schedule (schedule.END_BACKWARD)."""
         if self.distributed:
+            self._record(("all_reduce", tensor.numel(), tensor.dtype, op, tag))
             self._check_usable()
             red = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
             self.counter.collective("all_reduce", tensor.numel() * tensor.element_size(), self.world_size)
@@ -307,5 +342,6 @@ class Collectives:
             src = dist.get_global_rank(self.gather_group, 0)
             self.counter.collective("broadcast", tensor.numel() * tensor.element_size(), self.world_size,
                                     source=self.rank == 0)
+            self._record(("broadcast_from_first", tensor.numel(), tensor.dtype))
             dist.broadcast(tensor, src=src, group=self.gather_group)
         return tensor

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -66,6 +66,10 @@ class HookManager:
     _forward_depth: int = 0        # forwards of the root or of a fetch unit now running
     _gathering_context: int = 0    # ElixirModule.gathered_parameters() blocks now open
     holds: list[int] = field(default_factory=list)  # chunks pinned for reads outside modules
+    #: raises an injected out-of-memory error when one is due (runtime/faults.py); None: none
+    fault_check: Optional[Callable[[str], None]] = None
+    #: told, at the end of every backward, what the ranks agreed there (reduce.HEALTHY...)
+    on_backward_end: Optional[Callable[[int], None]] = None
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
@@ -133,6 +137,8 @@ class HookManager:
             self._forward_depth += 1
             self.fetcher.fetch(cids)
             call.fetched = True
+            if self.fault_check is not None and torch.is_grad_enabled() and not in_backward():
+                self.fault_check("forward")
             if torch.is_grad_enabled():
                 args, kwargs = alias_inputs((args, kwargs), lambda: self._post_backward(call))
             return args, kwargs
@@ -184,6 +190,8 @@ class HookManager:
 
     def _on_grad(self, index: int, param: torch.Tensor) -> None:
         self._ensure_end_callback()
+        if self.fault_check is not None:
+            self.fault_check("backward")
         grad = param.grad
         param.grad = None
         if grad is not None:
@@ -199,6 +207,10 @@ class HookManager:
         self.drop_holds()
         self.reducer.abandon()
 
+    def abandon_pass(self) -> None:
+        """Forget a forward or backward that failed and was finished hollowly."""
+        self._abandon_backward()
+
     def _end_backward(self) -> None:
         self._callback_queued = False
         for call in self._open_calls:
@@ -206,6 +218,8 @@ class HookManager:
         self._open_calls.clear()
         self.drop_holds()
         self.reducer.end_backward()
+        if self.on_backward_end is not None:
+            self.on_backward_end(self.reducer.agreed)
 
 
 def _make_reader(manager: "weakref.ReferenceType[HookManager]", name: str, cid: int):

@@ -25,9 +25,10 @@ from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.fetch import Fetcher
-from hf_elixir.runtime.hooks import HookManager
+from hf_elixir.runtime.hooks import HookManager, in_backward
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
+from hf_elixir.runtime.recovery import Recovery, Replanner, adopt_plan
 from hf_elixir.runtime.reduce import GradReducer
 from hf_elixir.runtime.released import mark_released
 
@@ -114,6 +115,9 @@ class ElixirModule(nn.Module):
             else CPU; ``"cpu"`` forces the CPU). Inputs to forward() and generate() are moved
             there, as FSDP2 does.
         sync_module_states: start every rank from rank 0's parameters and buffers.
+        recover_oom: when a training step runs out of memory, re-plan and redo it instead of
+            failing (runtime/recovery.py).
+        replanner: ``(plan, attempt) -> plan`` for a recovery (default: ``planner.replan.tighten``).
     """
 
     def __init__(
@@ -123,6 +127,8 @@ class ElixirModule(nn.Module):
         process_group: Optional[dist.ProcessGroup] = None,
         device: Optional[torch.device] = None,
         sync_module_states: bool = True,
+        recover_oom: bool = True,
+        replanner: Optional[Replanner] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ElixirModule wraps an nn.Module, got {type(model).__name__}")
@@ -164,9 +170,11 @@ class ElixirModule(nn.Module):
         # strides (released.py): no memory, yet autograd records the real shape when a
         # released weight enters a custom Function (whose apply() bypasses __torch_function__)
         self._placeholder = torch.zeros(1, dtype=self.dtype, device=self.device)
+        self._own_checkpointing = False  # whether this runtime turned the model's checkpointing on
         if plan.activation_checkpointing and not model_checkpoints(model):
             # the model's own setting, when on, is the user's (layers, offload): kept as it is
             enable_checkpointing(model)
+            self._own_checkpointing = True
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
         self.slot_by_name = {s.name: s for s in self.slots}
@@ -184,6 +192,9 @@ class ElixirModule(nn.Module):
             cache=self.cache,
         )
         self.hooks.install()
+        self.recovery = Recovery(self, replanner=replanner, enabled=recover_oom)
+        self.hooks.fault_check = self.recovery.check if self.recovery.injector is not None else None
+        self.hooks.on_backward_end = self.recovery.after_backward
         setattr(model, _WRAPPED_ATTR, True)
         atexit.register(_drain_at_exit, weakref.ref(self))
 
@@ -328,7 +339,15 @@ class ElixirModule(nn.Module):
         """The model's forward, with tensor inputs moved to the compute device."""
         args, kwargs = move_to_device((args, kwargs), self.device)
         self.comm.counter.forward_passes += 1
+        if self.module.training and torch.is_grad_enabled() and not in_backward() and self.recovery.enabled:
+            return self.recovery.run_forward(lambda: self.module(*args, **kwargs), args, kwargs)
         return self.module(*args, **kwargs)
+
+    def adopt_plan(self, plan: ElixirPlan) -> None:
+        """Run from now on under ``plan``, which packs the parameters as the current plan does
+        (a re-plan after running out of memory; ``recovery.adopt_plan``). Collective in effect:
+        every rank calls it at the same point of the run, with the same plan."""
+        adopt_plan(self, plan)
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> Any:

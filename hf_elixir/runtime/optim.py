@@ -22,6 +22,8 @@ from torch.optim.sgd import sgd as functional_sgd
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
+from hf_elixir.runtime.recovery import MicroBatch, model_loss
+from hf_elixir.runtime.reduce import REPLAN
 
 SUPPORTED = (AdamW, Adam, SGD)
 
@@ -117,10 +119,30 @@ class ElixirOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ backward helpers
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward()``, scaled by the loss scale under fp16."""
+        """``loss.backward()``, scaled by the loss scale under fp16. Skipped when the step
+        already failed (it is redone in ``step()``); a backward that runs out of memory is
+        finished hollowly so the other ranks complete theirs (runtime/recovery.py)."""
+        recovery = self.module.recovery
+        if not recovery.enabled:
+            return self._backward(loss, **kwargs)
+        if not recovery.before_backward(loss):
+            return
+        try:
+            self._backward(loss, **kwargs)
+        except torch.OutOfMemoryError as exc:
+            recovery.failed_in_backward(exc)
+
+    def _backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         if self.scaler is not None:
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
+
+    def _redo(self, batch: MicroBatch, factor: float) -> None:
+        """One micro-batch of a failed step again, under the re-planned runtime, its loss
+        scaled as the script scaled it the first time."""
+        with torch.enable_grad():
+            loss = model_loss(self.module(*batch.args, **batch.kwargs))
+            self.backward(loss * factor)
 
     def _unscale(self) -> None:
         if self.scaler is None or self._grads_unscaled:
@@ -148,7 +170,13 @@ class ElixirOptimizer(Optimizer):
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; one all-reduce."""
+        """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model; one all-reduce.
+        In a step that failed (every rank knows) the clip is kept for after the redo, and NaN
+        is returned for now."""
+        recovery = self.module.recovery
+        if recovery.step_failed and not recovery.redoing:
+            recovery.pending_clip = (max_norm, norm_type)
+            return torch.tensor(float("nan"))
         self._unscale()
         norm_type = float(norm_type)
         by_device = self._by_device()  # one host sync per device, not one per chunk
@@ -295,6 +323,15 @@ class ElixirOptimizer(Optimizer):
         loss = closure() if closure is not None else None
         # an LR scheduler built on the user's optimizer checks that it stepped
         self.inner._opt_called = True
+        recovery = self.module.recovery
+        active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
+        while failed:  # a rank ran out of memory in this step: re-plan, redo, then update
+            recovery.recover(self._redo)
+            active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
+            if not failed and recovery.pending_clip is not None:
+                self.clip_grad_norm_(*recovery.pending_clip)
+        if self.module.reducer.agreed == REPLAN:  # an earlier update recovered on its own
+            recovery.replan_only()
         if self.scaler is not None:
             self._unscale()
             found = self._found_inf()
@@ -303,8 +340,8 @@ class ElixirOptimizer(Optimizer):
                 self.zero_grad()
                 self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
                 self.module.comm.counter.steps += 1
+                recovery.stepped()
                 return loss
-        active = self.module.reducer.global_seen()
         # gathered views of the old shards are dropped and every copy reading host shards is
         # finished before any shard changes (frozen chunks cannot change: they stay gathered)
         self.module.release_all(keep_frozen=True)
@@ -331,6 +368,10 @@ class ElixirOptimizer(Optimizer):
         # device shards first (asynchronous on a GPU, they run while the CPU works), then
         # the host's, staged chunks in index order (the next forward needs the first first)
         order = sorted(batches, key=lambda k: (k[2].type == "cpu", k[0]))
+        try:
+            recovery.check("optimizer")
+        except torch.OutOfMemoryError as exc:  # before anything changed: free, go on, re-plan later
+            recovery.update_failed(exc)
         for i, key in enumerate(order):
             self._update(self.param_groups[key[1]], key[2], batches[key])
             last_of_chunk = i + 1 == len(order) or order[i + 1][0] != key[0]
@@ -345,6 +386,7 @@ class ElixirOptimizer(Optimizer):
         self.module.reducer.clear_seen()
         self._grads_unscaled = False
         self.module.comm.counter.steps += 1
+        recovery.stepped()
         return loss
 
     @staticmethod

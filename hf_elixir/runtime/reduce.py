@@ -31,6 +31,10 @@ from hf_elixir.planner.packing import adopts_gradient
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
 from hf_elixir.runtime.ledger import MemoryLedger
+from hf_elixir.runtime.schedule import END_BACKWARD
+
+#: what the last element of the end-of-backward all-reduce says (the maximum over ranks wins)
+HEALTHY, REPLAN, FAILED = 0, 1, 2
 
 
 class GradReducer:
@@ -54,6 +58,11 @@ class GradReducer:
         # which parameters received a gradient since the last optimizer step, on this rank
         self.seen = torch.zeros(n_slots, dtype=torch.uint8)
         self.enabled = True
+        #: what this rank reports at the end of the next backward (REPLAN: an optimizer step
+        #: had to recover locally and asks every rank to re-plan)
+        self.report = HEALTHY
+        #: what the ranks agreed at the end of the latest backward (the maximum reported)
+        self.agreed = HEALTHY
 
     # ------------------------------------------------------------------ during backward
     def on_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
@@ -151,7 +160,10 @@ class GradReducer:
         while self.next >= 0:
             self._reduce(self.trainable[self.next])
             self.next -= 1
-        for cid in self.agreed_late():
+        late = self.agreed_late()
+        if self.agreed == FAILED:  # a rank failed this pass: its gradients are dropped anyway
+            late = []
+        for cid in late:
             chunk = self.chunks[cid]
             if cid not in self.late:  # late elsewhere only: this rank contributes zeros
                 chunk.grads_received.clear()
@@ -168,14 +180,22 @@ class GradReducer:
 
     def agreed_late(self) -> list[int]:
         """The chunks late on any rank, in descending order (every rank gets the same list).
-        Direct-gradient chunks are never late (they have nothing to reduce)."""
+        Direct-gradient chunks are never late (they have nothing to reduce).
+
+        The same all-reduce carries, in its last element, the worst of the ranks' reports
+        (``agreed``): a rank that failed this pass and finished it hollowly reports FAILED
+        (schedule.py), so every rank learns of it here, at no extra collective."""
+        report, self.report = self.report, HEALTHY
         if not self.comm.distributed:
+            self.agreed = report
             return sorted(self.late, reverse=True)
-        flags = torch.zeros(len(self.chunks), dtype=torch.uint8)
+        flags = torch.zeros(len(self.chunks) + 1, dtype=torch.uint8)
         for cid in self.late:
             flags[cid] = 1
-        self.comm.all_reduce(flags, op="max")
-        return flags.nonzero().flatten().flip(0).tolist()
+        flags[-1] = report
+        self.comm.all_reduce(flags, op="max", tag=END_BACKWARD)
+        self.agreed = int(flags[-1])
+        return flags[:-1].nonzero().flatten().flip(0).tolist()
 
     def abandon(self) -> None:
         """After a failed backward: finish what is in flight, drop buffers, reset."""
@@ -191,9 +211,12 @@ class GradReducer:
         self.late.clear()
         self.next = len(self.trainable) - 1
 
-    def global_seen(self) -> torch.Tensor:
-        """Per parameter: did any rank receive a gradient since the last step? (one all-reduce)"""
-        return self.comm.all_reduce(self.seen.clone(), op="max").bool()
+    def global_seen(self, failed: bool = False) -> tuple[torch.Tensor, bool]:
+        """Per parameter: did any rank receive a gradient since the last step? And did any
+        rank fail since then (``failed`` is this rank's answer)? One all-reduce."""
+        flags = torch.cat([self.seen, torch.tensor([int(failed)], dtype=torch.uint8)])
+        flags = self.comm.all_reduce(flags, op="max")
+        return flags[:-1].bool(), bool(flags[-1])
 
     def clear_seen(self) -> None:
         self.seen.zero_()

@@ -53,7 +53,8 @@ def main() -> None:
         torch.save({"state": state, "evals": evals, "logits": logits, "final": final,
                     "is_elixir": bool(getattr(trainer.accelerator, "is_elixir", False)),
                     "trainer": type(trainer).__name__, "world": trainer.accelerator.num_processes,
-                    "global_step": trainer.state.global_step}, run.result)
+                    "global_step": trainer.state.global_step, "log_history": trainer.state.log_history},
+                   run.result)
 
 
 if __name__ == "__main__":
