@@ -142,3 +142,26 @@ def test_loss_scaling_is_recognised_and_nothing_else() -> None:
     assert factor(lambda t: torch.tensor(1.0, requires_grad=True)) is None
     source = torch.tensor(2.0, requires_grad=True) * 1.5
     assert model_loss({"loss": source}) is source and model_loss((source, 1)) is source
+
+
+def test_stock_trainer_script_recovers_unchanged(tmp_path) -> None:
+    """The Trainer script of the integration tests, unmodified, under ``hf-elixir launch``
+    (accumulation 2, clipping, evaluation every 3 steps) with rank 1 running out of memory in
+    the backward of step 2: it finishes the same 6 steps with the same learning rates, and
+    ends where the run without the failure ends (the recovered plan only turns activation
+    checkpointing on, which changes no arithmetic)."""
+    write_config(tmp_path / "elixir.yaml", default_config(2, use_gpu=False), ElixirPlugin(plan="auto"))
+    runs = {}
+    for name, inject in (("clean", ""), ("hurt", "2:backward:1")):
+        proc = check(hf_elixir("launch", "--config_file", str(tmp_path / "elixir.yaml"), "--main_process_port",
+                               str(free_port()), str(SCRIPTS / "trainer_run.py"), "--output_dir",
+                               str(tmp_path / name), "--result", str(tmp_path / f"{name}.pt"), *trainer_args(),
+                               cwd=tmp_path, env=worker_env(ELIXIR_INJECT_OOM=inject)))
+        runs[name] = (torch.load(tmp_path / f"{name}.pt"), proc)
+    (clean, _), (hurt, proc) = runs["clean"], runs["hurt"]
+    assert "out of memory in step 2; recovered with a new plan (activation checkpointing on)" in proc.stderr
+    assert hurt["global_step"] == clean["global_step"] == 6
+    rates = lambda r: [h["learning_rate"] for h in r["log_history"] if "learning_rate" in h]  # noqa: E731
+    assert rates(hurt) == rates(clean)
+    assert hurt["evals"] == pytest.approx(clean["evals"], rel=1e-6)
+    assert max_diff(hurt["state"], clean["state"]) < 1e-6

@@ -52,6 +52,9 @@ log = logging.getLogger("hf_elixir")
 
 #: how many recoveries one run may make before the error is raised
 MAX_ATTEMPTS = 3
+#: training forwards recorded per step at most: a loop that never steps the ElixirOptimizer
+#: (a probe, a custom loop) must not hold its inputs for ever
+MAX_RECORDED = 256
 
 Replanner = Callable[[ElixirPlan, int], Optional[ElixirPlan]]
 
@@ -171,6 +174,7 @@ class Recovery:
         self.step = 0                      #: optimizer steps taken
         self.step_failed = False           #: this rank knows the current step failed
         self.batches: list[MicroBatch] = []
+        self.overflowed = False            #: more forwards than MAX_RECORDED since the last step
         #: a clip asked for in a failed step, applied after its redo: (max_norm, norm_type)
         self.pending_clip: Optional[tuple[float, float]] = None
         self.redoing = False
@@ -196,6 +200,9 @@ class Recovery:
         when it fails, finished hollowly."""
         m = self.module
         if not self.redoing:
+            if len(self.batches) >= MAX_RECORDED:
+                self.batches.clear()
+                self.overflowed = True
             self.batches.append(MicroBatch(args, kwargs))
         if self.step_failed:
             return self._stand_in()
@@ -213,7 +220,8 @@ class Recovery:
     def _stand_in(self) -> Any:
         """An output for a forward that did not run: its loss is NaN (logged as such; the
         step is redone before the optimizer updates anything)."""
-        loss = torch.full((), float("nan"), device=self.module.device, requires_grad=True)
+        # not a leaf: scripts scale the loss in place (the Trainer does), which a leaf refuses
+        loss = torch.full((), float("nan"), device=self.module.device, requires_grad=True) * 1.0
         self._origin = origin_of(loss)
         if self.batches and not self.redoing:
             self.batches[-1].stand_in = True
@@ -295,6 +303,11 @@ class Recovery:
         fallback = known[-1] if known else (self._last_link.factor() if self._last_link is not None else None)
         factors = [fallback if b.stand_in else f for b, f in zip(self.batches, factors)]
         missing = [i for i, f in enumerate(factors) if f is None]
+        if self.overflowed:
+            raise RecoveryFailed(
+                f"hf_elixir: {failure}; it cannot be redone: more than {MAX_RECORDED} training forwards ran "
+                "since the last optimizer step, more than the runtime records. Step the optimizer more "
+                "often, or turn recovery off (recover_oom: false)")
         if missing:
             raise RecoveryFailed(
                 f"hf_elixir: {failure}; it cannot be redone because the loss given to backward for "
@@ -372,6 +385,7 @@ class Recovery:
         if links:
             self._last_link = links[-1]
         self.batches.clear()
+        self.overflowed = False
         self._origin = None
 
 
