@@ -96,6 +96,10 @@ class ElixirAccelerator(Accelerator):
         self._elixir_modules: list[ElixirModule] = []  # survives free_memory(): the Trainer re-prepares
         self._elixir_batch_shape: Optional[tuple[int, int]] = None
         self._elixir_pending_loads: list[str] = []  # load_state before a lazy model was sharded
+        #: a batch that does not fit may be planned as smaller micro-batches (planning.plan_split);
+        #: only a caller that runs a plan's micro_batch_split sets it (ElixirTrainer, for
+        #: auto_find_batch_size): a plain loop hands the model whole batches
+        self.elixir_split_batches = False
         if elixir_plugin is not None:
             self.scaler = None  # the ElixirOptimizer scales fp16 losses itself
             _finish_process_groups_at_exit()
@@ -180,7 +184,8 @@ class ElixirAccelerator(Accelerator):
                       "so the model is planned and sharded on its first forward", flush=True)
             return lazy
         plan = make_plan(model, plugin, world_size=self.num_processes, dtype=dtype, optimizer=kind,
-                         batch_shape=shape, machines=machines_from_env(self.num_processes))
+                         batch_shape=shape, machines=machines_from_env(self.num_processes),
+                         split_batches=self.elixir_split_batches)
         emodel = ElixirModule(model, plan, device=self.device, recover_oom=plugin.recover_oom)
         self._elixir_modules.append(emodel)
         self._models.append(emodel)
@@ -200,7 +205,7 @@ class ElixirAccelerator(Accelerator):
         self._elixir_batch_shape = shape
         return make_plan(model, self.elixir_plugin, world_size=self.num_processes, dtype=dtype,
                          optimizer=optimizer_kind(pending[0] if pending else None), batch_shape=shape,
-                         machines=machines_from_env(self.num_processes))
+                         machines=machines_from_env(self.num_processes), split_batches=self.elixir_split_batches)
 
     def _on_lazy_shard(self, emodel: "LazyElixirModule") -> None:
         """The model was just sharded (inside its first forward): give its optimizers their

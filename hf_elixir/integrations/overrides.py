@@ -35,6 +35,9 @@ OVERRIDDEN: list[tuple[str, str, str]] = [
     ("transformers.Trainer", "_load_from_checkpoint", "defer elixir checkpoints until after sharding"),
     ("transformers.Trainer", "_load_optimizer_and_scheduler", "load and reshard elixir_state/"),
     ("transformers.Trainer", "_load_best_model", "load the best checkpoint's sharded weights"),
+    ("transformers.Trainer", "training_step", "run a batch as the plan's micro-batches"),
+    ("transformers.Trainer", "_maybe_log_save_evaluate", "log a recovered step's redone loss and norm"),
+    ("transformers.Trainer", "train", "auto_find_batch_size: split batches instead of halving them"),
     ("transformers.TrainingArguments", "place_model_on_device", "never move the whole model first"),
 ]
 

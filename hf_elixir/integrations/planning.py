@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
 from hf_elixir.planner.record import ElixirPlan, PlanError
+from hf_elixir.planner.replan import with_split
 from hf_elixir.profile.profiler import model_checkpoints
 from hf_elixir.vocab import torch_dtype
 from hf_elixir.planner.search import plan as search
@@ -71,11 +72,13 @@ def make_plan(
     optimizer: str,
     batch_shape: Optional[tuple[int, int]],
     machines: int = 1,
+    split_batches: bool = False,
 ) -> ElixirPlan:
     """The plan to run ``model`` with, checked against the model and the world size.
 
     ``machines``: how many machines the ranks span (``machines_from_env``); a searched plan
-    prices the link between them.
+    prices the link between them. ``split_batches`` (the Trainer's ``auto_find_batch_size``):
+    when no plan fits the batch, plan the largest micro-batch that fits instead (``plan_split``).
 
     Raises ElixirConfigError (or PlanError) saying what to change; the model is untouched.
     """
@@ -120,17 +123,37 @@ def make_plan(
             "(chunk_size_mb, rcache_blocks, offload) or give a plan file"
         )
 
-    return search(
-        model,
-        batch_shape,
-        hardware=plugin.hardware,
-        world_size=world_size,
-        dtype=dtype,
-        optimizer=optimizer,
-        memory_budget=plugin.gpu_memory,
-        efficiency=plugin.efficiency,
-        nodes=machines,
-    )
+
+    def searched(shape: tuple[int, int]) -> ElixirPlan:
+        return search(model, shape, hardware=plugin.hardware, world_size=world_size, dtype=dtype,
+                      optimizer=optimizer, memory_budget=plugin.gpu_memory, efficiency=plugin.efficiency,
+                      nodes=machines)
+
+    try:
+        return searched(batch_shape)
+    except PlanError as error:
+        if not split_batches:
+            raise
+        return plan_split(searched, batch_shape, error)
+
+
+def plan_split(searched: Callable[[tuple[int, int]], ElixirPlan], batch_shape: tuple[int, int],
+               error: PlanError) -> ElixirPlan:
+    """``auto_find_batch_size`` the hf_elixir way: the batch of ``batch_shape`` does not fit
+    (``error``), so plan the largest micro-batch that divides it and fits, and run each batch
+    as that many micro-batches (``ElixirPlan.micro_batch_split``). The global batch, the
+    optimizer steps and the LR schedule stay the script's. Raises ``error`` when even one
+    sequence per micro-batch does not fit."""
+    batch, seq = batch_shape
+    for split in range(2, batch + 1):  # the largest micro-batch first (the error's largest-batch
+        if batch % split:              # figure is an estimate, so each is planned)
+            continue
+        try:
+            plan = searched((batch // split, seq))
+        except PlanError:
+            continue
+        return with_split(plan, split)
+    raise error
 
 
 def batch_shape_from_loader(loader) -> Optional[tuple[int, int]]:

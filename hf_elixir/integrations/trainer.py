@@ -27,7 +27,9 @@ from transformers import Trainer, TrainingArguments
 
 from hf_elixir import checkpoint
 from hf_elixir.integrations.accelerate import ELIXIR_STATE_DIR, ElixirAccelerator, state_to_save
-from hf_elixir.integrations.planning import unsupported_optimizer_message
+from hf_elixir.integrations.planning import batch_shape_from_inputs, unsupported_optimizer_message
+from hf_elixir.integrations.lazy import LazyElixirModule
+from hf_elixir.integrations.microbatch import TrainerSplitter, split_inputs
 from hf_elixir.integrations.throughput import ThroughputCallback
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixir_requested
 from hf_elixir.runtime import ElixirModule
@@ -97,13 +99,14 @@ class ElixirTrainer(Trainer):
         return module.plan if module is not None else None
 
     def _tokens_per_step(self) -> int:
-        """Tokens one optimizer step consumes on every rank: the plan's batch x sequence, or,
-        for a plan that was not searched (pinned options, a plan file: no predictions), the
-        shape of the first training batch; 0 when neither is known."""
-        p = self._running_plan().predictions
-        batch, seq = p.get("batch_size", 0), p.get("seq_len", 0)
+        """Tokens one optimizer step consumes on every rank: the shape of the first training
+        batch, or, when it was not known at prepare, the plan's searched micro-batch x
+        sequence times its split; 0 when neither is known."""
+        batch, seq = getattr(self.accelerator, "_elixir_batch_shape", None) or (0, 0)
         if not (batch and seq):
-            batch, seq = getattr(self.accelerator, "_elixir_batch_shape", None) or (0, 0)
+            plan = self._running_plan()
+            batch = plan.predictions.get("batch_size", 0) * plan.micro_batch_split
+            seq = plan.predictions.get("seq_len", 0)
         return batch * seq * self.args.world_size * self.args.gradient_accumulation_steps
 
     @property
@@ -123,6 +126,72 @@ class ElixirTrainer(Trainer):
             super().create_accelerator_and_postprocess()
         finally:
             trainer_module.Accelerator = original
+
+    # ------------------------------------------------------------------ training
+    def train(self, *args: Any, **kwargs: Any):
+        """``Trainer.train``; with ``auto_find_batch_size`` under hf_elixir, the batch is found
+        the hf_elixir way: a batch the planner finds too large runs as smaller micro-batches
+        (``planning.plan_split``), and a step that runs out of memory later is re-planned and
+        redone (runtime/recovery.py), the micro-batch being one of the levers. The global
+        batch, the LR schedule and the data order stay the script's. The Trainer's own search
+        (halve the batch, rebuild the loop, wrap the model again) is not used: it changes the
+        global batch and cannot re-wrap a sharded model."""
+        if not (self.is_elixir and self.args.auto_find_batch_size):
+            return super().train(*args, **kwargs)
+        self.accelerator.elixir_split_batches = True
+        self.args.auto_find_batch_size = False
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            self.args.auto_find_batch_size = True
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """``Trainer.training_step``, once per micro-batch of the plan's ``micro_batch_split``
+        (integrations/microbatch.py), with the loss divided by that many times the
+        accumulation. A micro-batch whose step failed (out of memory) reports 0 here; its
+        redone loss is added to the logged loss after the step (``_maybe_log_save_evaluate``)."""
+        split = self._micro_batch_split(inputs)
+        if split <= 1:
+            return self._one_training_step(model, inputs, num_items_in_batch)
+        parts = split_inputs(inputs, split)
+        accumulation = self.current_gradient_accumulation_steps
+        self.current_gradient_accumulation_steps = accumulation * len(parts)
+        try:
+            return sum(self._one_training_step(model, part, num_items_in_batch) for part in parts)
+        finally:
+            self.current_gradient_accumulation_steps = accumulation
+
+    def _one_training_step(self, model, inputs, num_items_in_batch):
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        emodel = self._elixir_module()
+        if emodel is not None and getattr(emodel, "sharded", True) and emodel.recovery.last_forward_stood_in():
+            return torch.zeros_like(loss)
+        return loss
+
+    def _micro_batch_split(self, inputs) -> int:
+        """The running plan's split (sharding a lazily planned model first, for this batch),
+        with the Trainer's splitter handed to the runtime for a recovery's redo."""
+        emodel = self._elixir_module()
+        if emodel is None:
+            return 1
+        if isinstance(emodel, LazyElixirModule) and not emodel.sharded:
+            emodel.shard(batch_shape_from_inputs((), dict(inputs)))
+        if emodel.recovery.splitter is None:
+            emodel.recovery.splitter = TrainerSplitter(lambda: self.args.per_device_train_batch_size)
+        return emodel.plan.micro_batch_split
+
+    def _maybe_log_save_evaluate(self, tr_loss, grad_norm, *args: Any, **kwargs: Any) -> None:
+        """The Trainer's logging, with a recovered step's figures: the loss its redo computed
+        for the micro-batches that had reported 0, and the norm its clip measured after the
+        redo (the clip returned NaN while the step was failed)."""
+        emodel = self._elixir_module()
+        if emodel is not None and getattr(emodel, "sharded", True):
+            owed, norm = emodel.recovery.take_redone()
+            if owed is not None:
+                tr_loss += owed.to(tr_loss.device, tr_loss.dtype)
+            if norm is not None:
+                grad_norm = norm
+        return super()._maybe_log_save_evaluate(tr_loss, grad_norm, *args, **kwargs)
 
     # ------------------------------------------------------------------ model access
     def _elixir_module(self) -> Optional[ElixirModule]:

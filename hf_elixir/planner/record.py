@@ -100,6 +100,10 @@ class ElixirPlan:
             most chunks in use at once, from the traced step); 0 when unknown.
         signature: digest of the chunked parameters' names, shapes and frozen flags (see
             model_signature).
+        micro_batch_split: how many micro-batches each batch the script hands the model is
+            run as (an integration that can split batches, the Trainer's, honours it; the
+            global batch stays the same). 1 unless a recovery or ``auto_find_batch_size``
+            chose a smaller micro-batch.
         predictions: optional figures from the planner (peak bytes by category, step time).
         alternatives: optional runner-up candidates with the reason they lost.
     """
@@ -115,6 +119,7 @@ class ElixirPlan:
     borrowed: dict[str, list[str]] = field(default_factory=dict)
     min_rcache_blocks: int = 0
     signature: str = ""
+    micro_batch_split: int = 1
     predictions: dict[str, Any] = field(default_factory=dict)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
@@ -286,6 +291,8 @@ class ElixirPlan:
             raise PlanError(_too_few_blocks(self.rcache_blocks, self.min_rcache_blocks))
         if self.prefetch_depth < 0:
             raise PlanError(f"prefetch_depth must be >= 0, got {self.prefetch_depth}")
+        if self.micro_batch_split < 1:
+            raise PlanError(f"micro_batch_split must be >= 1, got {self.micro_batch_split}")
         for i, c in enumerate(self.chunks):
             if c.optim_placement not in _PLACEMENTS or c.param_placement not in _PLACEMENTS:
                 raise PlanError(f"chunk {i}: placements must be one of {_PLACEMENTS}")
@@ -389,6 +396,7 @@ class ElixirPlan:
         core = self.to_dict()
         core.pop("predictions", None)
         core.pop("alternatives", None)
+        core.pop("micro_batch_split", None)  # how batches are split does not change the sharding
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()[:16]
 
 

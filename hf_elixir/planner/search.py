@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 from hf_elixir.hardware import HardwareProfile, parse_memory
-from hf_elixir.planner import cost, fetches, packing, pricing, traffic
+from hf_elixir.planner import cost, fetches, levers, packing, pricing, traffic
 from hf_elixir.planner.candidate import Candidate, chain, signature
 from hf_elixir.planner.efficiency import compute_figures, model_efficiency
 from hf_elixir.planner.record import ChunkPlan, ElixirPlan, PlanError, canonical_dtype
@@ -337,6 +337,11 @@ def plan(
     result = materialize(best, packings[best.chunk_size], profile, hw, W, compute_dtype, optimizer,
                          budget, extra=timing)
     result.alternatives = _alternatives(best, cands, path, budget, alternatives)
+    # for a recovery from an out-of-memory error (replan.tighten): what the runtime could
+    # move to in place, and the least memory any plan needs (named when nothing is left)
+    frac = cost.allocator_margin(hw)
+    result.predictions["recovery_options"] = levers.recovery_options(best, cands, frac, profile.batch_size)
+    result.predictions.update(levers.smallest_peaks(cands, frac, profile.batch_size))
     return result
 
 

@@ -79,6 +79,11 @@ def summary(plan) -> str:
             f"budget; step {p['step_time_s'] * 1e3:.1f} ms"
             + (f", {p['tokens_per_s']:.0f} tokens/s" if p.get("tokens_per_s") else "")
         )
+        if plan.micro_batch_split > 1:
+            b = p.get("batch_size")
+            lines.append(f"  micro-batch: each batch of {b * plan.micro_batch_split if b else '?'} per device runs as "
+                         f"{plan.micro_batch_split} micro-batches of {b} (the batch does not fit; the global "
+                         "batch and the optimizer steps are unchanged)")
         if p.get("model_checkpointing"):
             lines.append("  activation checkpointing: the model's own, on before planning "
                          "(every plan below is priced with it)")

@@ -137,12 +137,13 @@ class ElixirOptimizer(Optimizer):
             loss = loss * self.scaler.scale
         loss.backward(**kwargs)
 
-    def _redo(self, batch: MicroBatch, factor: float) -> None:
+    def _redo(self, batch: MicroBatch, factor: float) -> torch.Tensor:
         """One micro-batch of a failed step again, under the re-planned runtime, its loss
-        scaled as the script scaled it the first time."""
+        scaled as the script scaled it the first time; returns that scaled loss."""
         with torch.enable_grad():
-            loss = model_loss(self.module(*batch.args, **batch.kwargs))
-            self.backward(loss * factor)
+            loss = model_loss(self.module(*batch.args, **batch.kwargs)) * factor
+            self.backward(loss)
+        return loss.detach()
 
     def _unscale(self) -> None:
         if self.scaler is None or self._grads_unscaled:
@@ -329,7 +330,7 @@ class ElixirOptimizer(Optimizer):
             recovery.recover(self._redo)
             active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
             if not failed and recovery.pending_clip is not None:
-                self.clip_grad_norm_(*recovery.pending_clip)
+                recovery.note_redone_norm(self.clip_grad_norm_(*recovery.pending_clip))
         if self.module.reducer.agreed == REPLAN:  # an earlier update recovered on its own
             recovery.replan_only()
         if self.scaler is not None:

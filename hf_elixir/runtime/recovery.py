@@ -34,12 +34,12 @@ import math
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
 from hf_elixir.planner.record import ElixirPlan, PlanError
-from hf_elixir.planner.replan import same_packing, tighten
+from hf_elixir.planner.replan import memory_target, same_packing, tighten
 from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing, model_checkpoints
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import ChunkState
@@ -71,9 +71,22 @@ class MicroBatch:
     kwargs: dict
     link: Optional["LossLink"] = None  #: how the loss given to backward followed from the model's
     stand_in: bool = False             #: its forward did not run on this rank
+    split: int = 1                     #: the plan's micro-batch split when it ran
 
     def factor(self) -> Optional[float]:
         return self.link.factor() if self.link is not None else None
+
+
+class BatchSplitter(Protocol):
+    """What an integration that can run a batch as smaller micro-batches gives the runtime
+    (the Trainer's, ``integrations/microbatch.py``): the micro-batch lever of a re-plan."""
+
+    def can_split(self, split: int) -> bool:
+        """Whether every batch can run as ``split`` micro-batches."""
+
+    def split(self, batch: MicroBatch, parts: int) -> list[tuple[MicroBatch, float]]:
+        """``batch`` as ``parts`` micro-batches, each with the weight its loss takes in the
+        step, as a run started with the smaller micro-batch would have scaled it."""
 
 
 @dataclass
@@ -183,6 +196,15 @@ class Recovery:
         self._origin: Optional[Origin] = None
         self._last_link: Optional[LossLink] = None  #: the last step's, for a stand-in's scaling
         self._last_output_type: Optional[type] = None
+        #: set by an integration that can split batches (the micro-batch lever)
+        self.splitter: Optional[BatchSplitter] = None
+        #: the memory this process could have had when it failed (CUDA only), for the re-plan
+        self._available: Optional[float] = None
+        #: what the redone stand-ins' losses came to (scaled as the script scaled them), and
+        #: the norm a pending clip measured after the redo: a trainer that logged a stand-in's
+        #: loss or a failed step's norm takes them (``take_redone``)
+        self._owed_loss: Optional[torch.Tensor] = None
+        self._redone_norm: Optional[torch.Tensor] = None
         self.log = RecoveryLog()
 
     @property
@@ -203,7 +225,7 @@ class Recovery:
             if len(self.batches) >= MAX_RECORDED:
                 self.batches.clear()
                 self.overflowed = True
-            self.batches.append(MicroBatch(args, kwargs))
+            self.batches.append(MicroBatch(args, kwargs, split=m.plan.micro_batch_split))
         if self.step_failed:
             return self._stand_in()
         m.comm.schedule.begin(start_state(m))
@@ -274,6 +296,8 @@ class Recovery:
         m.hooks.abandon_pass()
         m.fetcher.free_all()
         if m.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(m.device)
+            self._available = float(free + torch.cuda.memory_reserved(m.device))
             torch.cuda.empty_cache()
         self._note_failure(phase, remote=False, error=str(exc))
 
@@ -283,9 +307,10 @@ class Recovery:
                                 "here": not remote, "error": error})
 
     # ------------------------------------------------------------------ the step
-    def recover(self, redo: Callable[[MicroBatch, float], None]) -> None:
+    def recover(self, redo: Callable[[MicroBatch, float], torch.Tensor]) -> None:
         """Every rank: re-plan, adopt the plan, clear the step's gradients, redo its
-        micro-batches (``redo`` runs one forward and a backward of its loss times the factor)."""
+        micro-batches (``redo`` runs one forward and a backward of its loss times the factor,
+        and returns that scaled loss), each split as the new plan splits batches."""
         m = self.module
         self.attempts += 1
         old = m.plan
@@ -317,10 +342,11 @@ class Recovery:
         new = (self.replanner or self._default_replanner)(old, self.attempts)
         if new is None:
             raise RecoveryFailed(
-                f"hf_elixir: {failure} and no lever is left to pull without re-packing (activation "
-                f"checkpointing {'on' if old.activation_checkpointing else 'unavailable'}, rCache at "
-                f"{old.rcache_blocks} blocks, no prefetch). {_needed(old)}More memory per device, a "
-                "smaller batch or more offload (offload: all) is needed. Nothing saved was touched")
+                f"hf_elixir: {failure} and no plan this run can move to is predicted to need less memory "
+                f"(activation checkpointing {'on' if old.activation_checkpointing else 'unavailable'}, "
+                f"micro-batch split {old.micro_batch_split}, rCache at {old.rcache_blocks} blocks, prefetch "
+                f"{old.prefetch_depth}). {_needed(old)}More memory per device, a smaller batch or more "
+                "offload (offload: all) is needed. Nothing saved was touched")
         m.adopt_plan(new)
         change = new.predictions.get("recovery", "re-planned")
         if self.log.events and "change" not in self.log.events[-1]:
@@ -331,15 +357,46 @@ class Recovery:
         if m.comm.rank == 0:
             log.warning("hf_elixir: %s; recovered with a new plan (%s), predicted step %s; redoing the "
                         "step from its %d micro-batch(es)", failure, change,
-                        _seconds(new.predictions.get("step_time")), len(self.batches))
+                        _seconds(new.predictions.get("step_time_s")), len(self.batches))
         self.step_failed = False
+        self._available = None
         m.zero_grad()
         self.redoing = True
+        owed = []
         try:
             for batch, factor in zip(self.batches, factors):
-                redo(batch, factor)
+                losses = [redo(part, factor * weight) for part, weight in self._parts(batch, new)]
+                if batch.stand_in:
+                    owed.extend(losses)
         finally:
             self.redoing = False
+        if owed:
+            self._owed_loss = torch.stack([v.float() for v in owed]).sum()
+
+    def _parts(self, batch: MicroBatch, plan: ElixirPlan) -> list[tuple[MicroBatch, float]]:
+        """``batch`` as ``plan`` runs it: split further when the plan splits batches more than
+        when it ran."""
+        parts = plan.micro_batch_split // batch.split
+        if parts <= 1:
+            return [(batch, 1.0)]
+        if self.splitter is None:
+            raise RecoveryFailed("hf_elixir: the new plan splits batches, but nothing can split them here")
+        return self.splitter.split(batch, parts)
+
+    # ------------------------------------------------------------------ for a trainer's log
+    def last_forward_stood_in(self) -> bool:
+        """Whether the latest training forward returned a stand-in (its step failed)."""
+        return bool(self.batches) and self.batches[-1].stand_in
+
+    def note_redone_norm(self, norm: torch.Tensor) -> None:
+        self._redone_norm = norm
+
+    def take_redone(self) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(the redone stand-ins' scaled losses summed, the norm a clip measured after the
+        redo), each None when there is none, and forget them."""
+        out = (self._owed_loss, self._redone_norm)
+        self._owed_loss = self._redone_norm = None
+        return out
 
     def update_failed(self, exc: torch.OutOfMemoryError) -> None:
         """The optimizer step ran out of memory before it changed anything, on this rank: free
@@ -371,12 +428,23 @@ class Recovery:
                                 "change": change})
         if m.comm.rank == 0:
             log.warning("hf_elixir: an optimizer step ran out of memory; new plan (%s), predicted step %s",
-                        change, _seconds(new.predictions.get("step_time")))
+                        change, _seconds(new.predictions.get("step_time_s")))
 
     def _default_replanner(self, plan: ElixirPlan, attempt: int) -> Optional[ElixirPlan]:
-        module = self.module.module
+        """The cheapest plan predicted to fit what this rank had (``replan.tighten``). Every
+        rank must choose the same: the memory measured on one rank is agreed first."""
+        m = self.module
+        module = m.module
         can = hasattr(module, "gradient_checkpointing_enable") or hasattr(module, "activation_checkpointing_enable")
-        return tighten(plan, can_checkpoint=can)
+        available = self._available
+        if m.comm.distributed and m.device.type == "cuda":
+            # the least any rank could give; a rank that did not fail reports +inf
+            value = torch.tensor([-(available if available is not None else math.inf)], dtype=torch.float64)
+            available = -float(m.comm.all_reduce(value, op="max").item())
+            available = None if math.isinf(available) else available
+        target = memory_target(plan, attempt, available)
+        return tighten(plan, can_checkpoint=can, can_split=self.splitter.can_split if self.splitter else None,
+                       target=target)
 
     def stepped(self) -> None:
         self.step += 1
@@ -423,16 +491,20 @@ def adopt_plan(m: Any, plan: ElixirPlan) -> None:
 
 
 def _needed(plan: ElixirPlan) -> str:
-    """What the plan was predicted to need per device, as a sentence (after a recovery, the
-    first plan's figure: the ladder's plans are not priced)."""
-    peak = plan.predictions.get("peak_bytes")
+    """What the plan was predicted to need per device and the least any plan needs, as
+    sentences (a plan made without the search, ``ElixirPlan.simple``, has neither)."""
+    p = plan.predictions
+    said = ""
+    peak = p.get("peak_bytes") or p.get("before_recovery", {}).get("peak_bytes")
     if peak:
-        return f"The plan was predicted to need {format_bytes(peak)} per device. "
-    first = plan.predictions.get("before_recovery", {}).get("peak_bytes")
-    if first:
-        return (f"The first plan was predicted to need {format_bytes(first)} per device, and every plan "
-                "tried since needs more than this device could give. ")
-    return ""
+        said += f"The plan that failed was predicted to need {format_bytes(peak)} per device. "
+    smallest = p.get("smallest_peak_bytes")
+    if smallest:
+        said += (f"The smallest memory per device that would fit this model is {format_bytes(smallest)} "
+                 f"at batch {p.get('batch_size', '?')} per device (any plan, offloading whatever it can)")
+        one = p.get("smallest_peak_bytes_batch_1")
+        said += f", {format_bytes(one)} at batch 1. " if one and one < smallest else ". "
+    return said
 
 
 def _seconds(value: Any) -> str:
