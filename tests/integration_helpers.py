@@ -48,10 +48,9 @@ def accelerate_launch(config: Path, port: int, script: str, *args: str, cwd: Pat
     return check(run(cmd, cwd, reference_env()))
 
 
-def reference_env(**extra: str) -> dict[str, str]:
+def reference_env() -> dict[str, str]:
     """The environment of a plain reference run: ``worker_env`` with ``REFERENCE_SITE`` first."""
-    return worker_env(ACCELERATE_USE_CPU="true", PYTHONPATH=os.pathsep.join([str(REFERENCE_SITE), str(ROOT)]),
-                      **extra)
+    return worker_env(ACCELERATE_USE_CPU="true", PYTHONPATH=os.pathsep.join([str(REFERENCE_SITE), str(ROOT)]))
 
 
 def elixir_launch(config: Path, port: int, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
