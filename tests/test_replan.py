@@ -37,8 +37,9 @@ def test_options_are_in_place_and_priced(searched) -> None:
     assert options
     peak = searched.predictions["peak_bytes"]
     assert all(o["peak_bytes"] < peak for o in options)
-    by_peak = sorted(options, key=lambda o: o["peak_bytes"])
-    assert all(a["step_time_s"] > b["step_time_s"] for a, b in zip(by_peak, by_peak[1:]))
+    unsplit = sorted((o for o in options if o["micro_batch_split"] == 1), key=lambda o: o["peak_bytes"])
+    assert all(a["step_time_s"] > b["step_time_s"] for a, b in zip(unsplit, unsplit[1:]))
+    assert any(o["micro_batch_split"] == 1 for o in options) and any(o["micro_batch_split"] > 1 for o in options)
     assert {o["micro_batch_split"] for o in options} <= {1, 2, 4}
     assert searched.predictions["smallest_peak_bytes_batch_1"] < searched.predictions["smallest_peak_bytes"] < peak
 
@@ -58,10 +59,13 @@ def test_tighten_takes_the_fastest_option_under_the_target(searched) -> None:
     # no splitting where the integration cannot split; nothing under a target below every option
     unsplit = tighten(searched, can_checkpoint=True, can_split=None, target=target)
     assert unsplit is None or unsplit.micro_batch_split == 1
-    lowest = min(o["peak_bytes"] for o in options)
-    assert tighten(searched, can_checkpoint=True, can_split=lambda k: True, target=lowest - 1) is None
     # a measured capacity below the prediction lowers the target
+    lowest = min(o["peak_bytes"] for o in options)
     assert memory_target(searched, 1, available=lowest) == pytest.approx(lowest * (1 - MARGIN_STEP))
+    # under a target no option meets, the least memory; below that, nothing is left
+    least = tighten(searched, can_checkpoint=True, can_split=lambda k: True, target=lowest - 1)
+    assert least.predictions["peak_bytes"] == lowest
+    assert tighten(least, can_checkpoint=True, can_split=lambda k: True, target=lowest - 1) is None
 
 
 def test_tighten_without_priced_options_follows_the_ladder() -> None:

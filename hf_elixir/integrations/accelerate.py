@@ -13,6 +13,7 @@ Without a plugin (and without ``ACCELERATE_USE_ELIXIR=true``) it is a plain Acce
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import re
 import sys
@@ -458,7 +459,10 @@ def _finish_process_groups_at_exit() -> None:
     ``destroy_process_group()``. This handler runs after the runtime's own exit handlers
     have waited for the gathers the last optimizer step prefetched (they are registered
     later, so they run first), and destroys the default group and with it every group
-    made from it, while the interpreter is still whole.
+    made from it, while the interpreter is still whole. It first collects the garbage:
+    when a script's ``main()`` has returned, its Trainer, model and runtime are unreachable
+    cycles that still hold the groups' handles, so the groups would otherwise only be
+    released later, inside the interpreter's own teardown.
 
     It does nothing after an uncaught exception: a failing rank must exit at once, so the
     launcher can stop the others, rather than wait on peers that are still training.
@@ -481,6 +485,7 @@ def _destroy_process_groups() -> None:
 
     if _exit_handler["uncaught"] or not (dist.is_available() and dist.is_initialized()):
         return
+    gc.collect()
     try:
         dist.destroy_process_group()
     except Exception as e:  # exit goes on; say why the groups were left to the interpreter

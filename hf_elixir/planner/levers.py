@@ -35,9 +35,10 @@ def split_priced(c: Candidate, k: int, allocator_fraction: float) -> tuple[float
 
 def recovery_options(best: Candidate, cands: list[Candidate], allocator_fraction: float,
                      batch_size: int) -> list[dict[str, Any]]:
-    """The in-place plans from ``best`` that need less memory, cheapest first per memory
-    level: walking up from the smallest peak, an option is kept only when it is faster than
-    every smaller one kept (the others are never the right choice for any memory target)."""
+    """The in-place plans from ``best`` that need less memory, the cheapest per memory level:
+    walking up from the smallest peak, an option is kept only when it is faster than every
+    smaller one kept (the others are never the right choice for any memory target). The
+    same walk over the unsplit options alone is kept too, for a runtime that cannot split."""
     same = [c for c in cands if c.chunk_size == best.chunk_size and c.n_optim_cpu == best.n_optim_cpu
             and c.n_param_cpu == best.n_param_cpu and c.n_frozen_cpu == best.n_frozen_cpu]
     priced: dict[tuple, dict[str, Any]] = {}
@@ -53,11 +54,21 @@ def recovery_options(best: Candidate, cands: list[Candidate], allocator_fraction
                 priced[key] = {"activation_checkpointing": c.checkpointing, "rcache_blocks": c.rcache_blocks,
                                "prefetch_depth": c.prefetch_depth, "micro_batch_split": k,
                                "peak_bytes": int(peak), "step_time_s": step}
+    # a runtime whose integration cannot split batches chooses among the unsplit ones only:
+    # their own front is kept too
+    unsplit = _front([o for o in priced.values() if o["micro_batch_split"] == 1])
+    every = _front(list(priced.values()))
+    kept = {id(o): o for o in [*unsplit[-MAX_OPTIONS // 2:], *every[-MAX_OPTIONS // 2:]]}
+    return sorted(kept.values(), key=lambda o: (o["peak_bytes"], o["step_time_s"]))
+
+
+def _front(options: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Walking up from the smallest peak, the options faster than every smaller one."""
     front: list[dict[str, Any]] = []
-    for o in sorted(priced.values(), key=lambda o: (o["peak_bytes"], o["step_time_s"])):
+    for o in sorted(options, key=lambda o: (o["peak_bytes"], o["step_time_s"])):
         if not front or o["step_time_s"] < front[-1]["step_time_s"]:
             front.append(o)
-    return front[-MAX_OPTIONS:]
+    return front
 
 
 def smallest_peaks(cands: list[Candidate], allocator_fraction: float, batch_size: int) -> dict[str, int]:

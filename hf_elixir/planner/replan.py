@@ -11,7 +11,7 @@ before it is needed).
 A searched plan carries every combination of these levers the search priced for its
 packing (``recovery_options``, written by ``search.plan``), each with the cost model's
 predicted peak and step time; ``tighten`` takes the fastest one whose predicted peak is
-under the memory target. A plan without them (``ElixirPlan.simple``, a plan file) falls back
+under the memory target, or, when none is, the one that needs the least. A plan without them (``ElixirPlan.simple``, a plan file) falls back
 to a fixed ladder: checkpointing first (activations dominate a step's transient memory at
 training batch sizes), then the micro-batch halved, then the rCache halved towards its
 minimum, then prefetching off. Offloading more state is the search's lever and needs a
@@ -51,8 +51,9 @@ def memory_target(plan: ElixirPlan, attempt: int, available: Optional[float] = N
 
 def tighten(plan: ElixirPlan, can_checkpoint: bool, can_split: Optional[SplitCheck] = None,
             target: Optional[float] = None) -> Optional[ElixirPlan]:
-    """The plan to move to, with ``predictions["recovery"]`` saying what changed; None when no
-    lever is left (or, for a plan with priced options, when none comes under ``target``)."""
+    """The plan to move to, with ``predictions["recovery"]`` saying what changed: for a plan
+    with priced options, the fastest predicted under ``target`` or, when none is, the one that
+    needs the least memory. None when no lever is left (no option needs less than the plan)."""
     options = plan.predictions.get("recovery_options")
     if options:
         return _cheapest_under(plan, options, can_checkpoint, can_split, target)
@@ -75,14 +76,18 @@ def _cheapest_under(plan: ElixirPlan, options: Sequence[dict[str, Any]], can_che
     limit = target if target is not None else peak * (1.0 - MARGIN_STEP)
     usable = [
         o for o in options
-        if o["peak_bytes"] <= limit and o["rcache_blocks"] >= max(plan.min_rcache_blocks, 1)
+        if o["peak_bytes"] < peak and o["rcache_blocks"] >= max(plan.min_rcache_blocks, 1)
         and (can_checkpoint or o["activation_checkpointing"] == plan.activation_checkpointing)
         and (o["micro_batch_split"] == plan.micro_batch_split
              or (can_split is not None and can_split(o["micro_batch_split"])))
     ]
     if not usable:
         return None
-    best = min(usable, key=lambda o: (o["step_time_s"], o["peak_bytes"]))
+    under = [o for o in usable if o["peak_bytes"] <= limit]
+    # none predicted under the target: the least memory this packing can run in (the
+    # prediction was wrong once; only a re-pack could do better, which this is not)
+    best = (min(under, key=lambda o: (o["step_time_s"], o["peak_bytes"])) if under
+            else min(usable, key=lambda o: (o["peak_bytes"], o["step_time_s"])))
     return _changed(plan, priced=best, activation_checkpointing=best["activation_checkpointing"],
                     rcache_blocks=best["rcache_blocks"], prefetch_depth=best["prefetch_depth"],
                     micro_batch_split=best["micro_batch_split"])
