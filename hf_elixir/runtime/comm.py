@@ -179,7 +179,7 @@ class Collectives:
         # thread aborts ("terminate called without an active exception"). The optimizer
         # step leaves the next pass's gathers running, and the ElixirModule that issued them
         # may be gone by exit: the groups' owner waits for them, whatever became of it.
-        atexit.register(comm.drain)
+        atexit.register(comm.release_at_exit)
         return comm
 
     def drain(self) -> None:
@@ -187,6 +187,17 @@ class Collectives:
         works, self.in_flight = self.in_flight, []
         for work in works:
             work.wait()
+
+    def release_at_exit(self) -> None:
+        """At interpreter exit: wait for what is still in flight, then let go of the groups
+        (this object stays referenced by the exit handler list until the very end), so that
+        destroying the process groups, the integration's last exit handler, frees them at
+        once, while the interpreter is still whole, rather than during its teardown."""
+        self.drain()
+        self.closed = True
+        self.gather_group = self.reduce_group = None
+        self.owned_groups = ()
+        self.schedule = Schedule()
 
     def _record(self, call: tuple, work: Optional[Work] = None) -> None:
         if self._recording:
@@ -239,8 +250,9 @@ class Collectives:
         that NCCL would report as a hang or an illegal memory access. Closed groups carry
         nothing."""
         if self.closed:
-            raise RuntimeError("this runtime was closed (ElixirModule.close()); its process groups "
-                               "are gone. Wrap the model in a new ElixirModule to train it again")
+            raise RuntimeError("this runtime was closed (ElixirModule.close(), or the interpreter is "
+                               "exiting); its process groups are gone. Wrap the model in a new "
+                               "ElixirModule to train it again")
         for t in tensors:
             if t.device.type != self.device.type:
                 raise RuntimeError(
