@@ -164,7 +164,7 @@ class ElixirTrainer(Trainer):
     def _one_training_step(self, model, inputs, num_items_in_batch):
         loss = super().training_step(model, inputs, num_items_in_batch)
         emodel = self._elixir_module()
-        if emodel is not None and getattr(emodel, "sharded", True) and emodel.recovery.last_forward_stood_in():
+        if emodel is not None and emodel.recovery.last_forward_stood_in():  # sharded by training_step
             return torch.zeros_like(loss)
         return loss
 
@@ -185,7 +185,7 @@ class ElixirTrainer(Trainer):
         for the micro-batches that had reported 0, and the norm its clip measured after the
         redo (the clip returned NaN while the step was failed)."""
         emodel = self._elixir_module()
-        if emodel is not None and getattr(emodel, "sharded", True):
+        if emodel is not None:  # a training step ran: a lazily planned model is sharded
             owed, norm = emodel.recovery.take_redone()
             if owed is not None:
                 tr_loss += owed.to(tr_loss.device, tr_loss.dtype)

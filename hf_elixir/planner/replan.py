@@ -129,7 +129,7 @@ def with_split(plan: ElixirPlan, split: int) -> ElixirPlan:
     its recovery options' splits, relative to the searched micro-batch, become absolute."""
     options = [dict(o, micro_batch_split=o["micro_batch_split"] * split)
                for o in plan.predictions.get("recovery_options", [])]
-    predictions = dict(plan.predictions, recovery_options=options, batch_split_chosen=split)
+    predictions = dict(plan.predictions, recovery_options=options)
     return replace(plan, micro_batch_split=split, predictions=predictions)
 
 

@@ -197,7 +197,6 @@ class Collectives:
         self.closed = True
         self.gather_group = self.reduce_group = None
         self.owned_groups = ()
-        self.schedule = Schedule()
 
     def _record(self, call: tuple, work: Optional[Work] = None) -> None:
         if self._recording:
