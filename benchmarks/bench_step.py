@@ -157,9 +157,10 @@ def _root_share(model) -> Callable[[], dict]:
     return lambda: {"root_param_share": share, "best_bytes_ratio": 2 / (3 - share)}
 
 
-def setup_elixir(model, tensor_collectives: bool = False, **plan_kwargs):
+def setup_elixir(model, tensor_collectives: bool = False, recover_oom: bool = True, **plan_kwargs):
     """hf_elixir with ElixirPlan.simple; plan_kwargs (e.g. offload_fraction) go to the plan;
-    ``tensor_collectives``: NCCL's collectives instead of gloo's strategy."""
+    ``tensor_collectives``: NCCL's collectives instead of gloo's strategy; ``recover_oom``: the
+    runtime's out-of-memory recovery (on by default, as for users)."""
     import hf_elixir as hfe
     from hf_elixir.planner import traffic
 
@@ -175,7 +176,7 @@ def setup_elixir(model, tensor_collectives: bool = False, **plan_kwargs):
     if tensor_collectives:
         os.environ[traffic.COLLECTIVES_ENV] = "tensor"
     try:
-        em = hfe.ElixirModule(model, plan)
+        em = hfe.ElixirModule(model, plan, recover_oom=recover_oom)
     finally:
         os.environ.pop(traffic.COLLECTIVES_ENV, None)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -372,11 +373,13 @@ def launch_each(args, systems: dict | None = None) -> dict:
     return results
 
 
-def launch(args, systems: dict | None = None) -> dict:
+def launch(args, systems: dict | None = None, target: Callable = None) -> dict:
     """Spawn args.world_size ranks over gloo; each runs args.systems on args.models.
 
     Returns rank 0's results: {model: {system: {...}}}. systems (default SYSTEMS) maps a
-    system's name to its setup function (picklable: spawned ranks receive it).
+    system's name to its setup function (picklable: spawned ranks receive it). ``target``
+    (default ``worker``) is what each rank runs, called as ``worker`` is; it puts rank 0's
+    results on the queue.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -385,7 +388,7 @@ def launch(args, systems: dict | None = None) -> dict:
     with socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=worker, args=(r, args.world_size, port, args, queue, systems))
+    procs = [ctx.Process(target=target or worker, args=(r, args.world_size, port, args, queue, systems))
              for r in range(args.world_size)]
     from hf_elixir.runtime.host_memory import spawning_cpu_ranks
 

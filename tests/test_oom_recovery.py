@@ -50,14 +50,16 @@ def _batches(rank: int, steps: int, accumulate: int) -> list[torch.Tensor]:
 
 
 def _run(rank: int, world_size: int, inject: Optional[str], adopt_at: Optional[int], accumulate: int,
-         max_attempts: int = 3, searched: bool = False, save_to: Optional[str] = None) -> dict:
+         max_attempts: int = 3, searched: bool = False, save_to: Optional[str] = None,
+         recover: bool = True) -> dict:
     """Train STEPS steps; ``searched``: on the planner's plan (its recovery options priced)
-    instead of a simple one; ``save_to``: write a checkpoint there after step 2."""
+    instead of a simple one; ``save_to``: write a checkpoint there after step 2; ``recover``:
+    the runtime's ``recover_oom``."""
     os.environ[INJECT_ENV] = inject or ""
     model = _model()
     plan = (hfe.plan(model, (2, 12), world_size=world_size, dtype="float32", efficiency="calibrated") if searched
             else hfe.ElixirPlan.simple(model, world_size, chunk_size=8192, prefetch_depth=1))
-    emodel = hfe.ElixirModule(model, plan)
+    emodel = hfe.ElixirModule(model, plan, recover_oom=recover)
     emodel.recovery.max_attempts = max_attempts
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-2))
     plans = {"start": (plan.activation_checkpointing, plan.rcache_blocks)}
@@ -73,6 +75,8 @@ def _run(rank: int, world_size: int, inject: Optional[str], adopt_at: Optional[i
                               each_step=each_step)
     except RecoveryFailed as exc:
         return {"error": str(exc), "plan": plan.to_dict()}
+    except torch.OutOfMemoryError as exc:  # only without recovery
+        return {"raised": str(exc), "step": emodel.recovery.step, "recorded": len(emodel.comm.schedule.templates)}
     state = {k: v.detach().clone() for k, v in emodel.state_dict().items()}
     plans["end"] = (emodel.plan.activation_checkpointing, emodel.plan.rcache_blocks)
     return {"state": state, "losses": losses, "events": emodel.recovery.log.events, "plans": plans,
@@ -134,6 +138,17 @@ def test_repeated_failures_stop_with_a_clear_error(tmp_path) -> None:
         assert f"The smallest memory per device that would fit this model is {smallest} at batch 2" in error
         assert "The plan that failed was predicted to need" in error
     assert _digests(saved) == written
+
+
+def test_opting_out_raises_the_error_and_records_nothing() -> None:
+    """With ``recover_oom=False`` the out-of-memory error reaches the script in the step it
+    happened (both ranks fail, so neither waits for the other), and the runtime recorded no
+    collective schedule for a recovery it will not make."""
+    got = run_distributed(_run, 2, "3:forward", None, 1, 3, False, None, False)
+    for rank in (0, 1):
+        assert "raised" in got[rank], got[rank]
+        assert "injected" in got[rank]["raised"] and got[rank]["step"] == 3
+        assert got[rank]["recorded"] == 0
 
 
 def test_fault_spec_is_checked() -> None:

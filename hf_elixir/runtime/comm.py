@@ -139,7 +139,9 @@ class Collectives:
     in_flight: list = field(default_factory=list, repr=False)
     #: the collectives of each training pass, for a hollow finish after a failure (schedule.py)
     schedule: Schedule = field(default_factory=Schedule, repr=False)
-    _recording: bool = field(default=True, repr=False)
+    #: whether collectives are recorded into ``schedule`` (off when nothing recovers: a
+    #: runtime without out-of-memory recovery pays nothing for it)
+    recording: bool = field(default=True, repr=False)
 
     @classmethod
     def create(cls, process_group: Optional[dist.ProcessGroup] = None,
@@ -199,17 +201,17 @@ class Collectives:
         self.owned_groups = ()
 
     def _record(self, call: tuple, work: Optional[Work] = None) -> None:
-        if self._recording:
+        if self.recording:
             self.schedule.issued(call, work)
 
     @contextlib.contextmanager
     def not_recording(self) -> Iterator[None]:
         """Collectives made inside are not part of any schedule (a hollow finish)."""
-        before, self._recording = self._recording, False
+        before, self.recording = self.recording, False
         try:
             yield
         finally:
-            self._recording = before
+            self.recording = before
 
     def _track(self, work: Work) -> Work:
         """Remember an asynchronous collective until it is waited for (``drain``)."""

@@ -193,8 +193,12 @@ class ElixirModule(nn.Module):
         )
         self.hooks.install()
         self.recovery = Recovery(self, replanner=replanner, enabled=recover_oom)
+        # injected failures fire with or without recovery (an opt-out run must fail as one)
         self.hooks.fault_check = self.recovery.check if self.recovery.injector is not None else None
-        self.hooks.on_backward_end = self.recovery.after_backward
+        # without recovery, no collective is recorded for it and no backward ends in it
+        self.comm.recording = recover_oom
+        if recover_oom:
+            self.hooks.on_backward_end = self.recovery.after_backward
         setattr(model, _WRAPPED_ATTR, True)
         atexit.register(_drain_at_exit, weakref.ref(self))
 
