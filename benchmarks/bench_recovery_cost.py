@@ -18,6 +18,8 @@ every pair), each step between barriers, so that both see the same drift. Per mo
 reports each runtime's median step, the paired relative differences (with recovery over
 without, minus one), their median and a bootstrap 90% interval of that median, and checks
 that both runtimes computed the same losses (recovery must not change a healthy step).
+``--control`` builds both runtimes without recovery (an A/A run): whatever "change" it
+reports is the harness's own bias and spread, the floor under which a change means nothing.
 
 The order the two runtimes are built in moves their step times by a few per cent (heap
 layout; measured +5.5% one way and +1.9% the other on GPT-2 30M), so each model runs in two
@@ -69,7 +71,8 @@ def paired_block(args, model_name: str, build_order: list[str]) -> dict:
     """Both runtimes on one model, built in ``build_order`` and stepped alternately: their
     step times and losses, and the recovering runtime's direct cost after them."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    steps = {arm: setup_elixir(build(model_name), recover_oom=ARMS[arm])[0] for arm in build_order}
+    recover = {arm: ARMS[arm] and not args.control for arm in ARMS}
+    steps = {arm: setup_elixir(build(model_name), recover_oom=recover[arm])[0] for arm in build_order}
     vocab = build(model_name).config.vocab_size
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     losses: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -210,9 +213,14 @@ def main() -> None:
     p.add_argument("--pairs", type=int, default=12, help="timed steps of each runtime per block (two blocks)")
     p.add_argument("--direct-steps", type=int, default=4, help="steps with recovery's own code timed")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    p.add_argument("--control", action="store_true",
+                   help="an A/A run: both runtimes without recovery, to show the harness's own spread")
     add_host_memory_option(p)
-    p.add_argument("--output", type=Path, default=RESULTS / "bench_recovery_cost.json")
+    p.add_argument("--output", type=Path, default=None,
+                   help="default: results/bench_recovery_cost.json (bench_recovery_cost_control.json with --control)")
     args = p.parse_args()
+    if args.output is None:
+        args.output = RESULTS / ("bench_recovery_cost_control.json" if args.control else "bench_recovery_cost.json")
     if args.global_batch % args.world_size:
         p.error("--global-batch must be divisible by --world-size")
     results = launch(args, target=worker)
@@ -221,6 +229,8 @@ def main() -> None:
               "torch": torch.__version__, "summary": summary, "raw": results}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(record, indent=1))
+    if args.control:
+        print("\ncontrol run: both runtimes are without recovery; the columns keep their names")
     print(f"\n{'model':10s} {'with s':>8s} {'without s':>9s} {'paired change':>14s} {'90% interval':>18s} "
           f"{'in recovery code':>17s} losses")
     for model_name, row in summary.items():
