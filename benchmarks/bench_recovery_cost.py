@@ -1,6 +1,6 @@
 """What out-of-memory recovery costs a training step that does not fail, paired in one run.
 
-    python benchmarks/bench_recovery_cost.py                     # three models, 2 x 12 pairs each
+    python benchmarks/bench_recovery_cost.py                     # three models, 2 x 24 pairs each
     python benchmarks/bench_recovery_cost.py --models gpt2-30m --pairs 4
 
 Recovery (runtime/recovery.py) rides every healthy step: each training forward's inputs are
@@ -210,7 +210,7 @@ def main() -> None:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=12, help="timed steps of each runtime per block (two blocks)")
+    p.add_argument("--pairs", type=int, default=24, help="timed steps of each runtime per block (two blocks)")
     p.add_argument("--direct-steps", type=int, default=4, help="steps with recovery's own code timed")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--control", action="store_true",
