@@ -50,21 +50,10 @@ import torch
 import torch.distributed as dist
 
 from bench_planner import MODELS, build
-from bench_step import RESULTS, add_host_memory_option, apply_host_memory_setting, batch_for, launch, setup_elixir
+from bench_step import (RESULTS, add_host_memory_option, apply_host_memory_setting, batch_for, launch, setup_elixir,
+                        timed_step)
 
 ARMS = {"with_recovery": True, "without_recovery": False}
-
-
-def timed_step(step, ids) -> tuple[float, float]:
-    """One step between barriers: (its seconds, its loss averaged over ranks)."""
-    dist.barrier()
-    t0 = time.perf_counter()
-    loss = step(ids)
-    dist.barrier()
-    elapsed = time.perf_counter() - t0
-    total = loss.detach().reshape(1).clone()
-    dist.all_reduce(total)
-    return elapsed, total.item() / dist.get_world_size()
 
 
 def paired_block(args, model_name: str, build_order: list[str]) -> dict:

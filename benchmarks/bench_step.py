@@ -208,20 +208,26 @@ SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_reshard_all": setup_fs
            "hf_elixir": setup_elixir, "hf_elixir_tensor": setup_elixir_tensor}
 
 
+def timed_step(step, ids) -> tuple[float, float]:
+    """One step between barriers, so that every rank's time covers the slowest rank's step:
+    (its seconds, its loss averaged over ranks)."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    loss = step(ids)
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    total = loss.detach().reshape(1).clone()
+    dist.all_reduce(total)
+    return elapsed, total.item() / dist.get_world_size()
+
+
 def timed_steps(step, rank: int, world: int, args, vocab: int) -> tuple[list[float], list[float]]:
-    """Run warm-up and timed steps, each between barriers so every rank's time covers the
-    slowest rank's step: (the timed steps' seconds, every step's loss averaged over ranks)."""
+    """Run warm-up and timed steps: (the timed steps' seconds, every step's loss averaged
+    over ranks)."""
     times, losses = [], []
     for i in range(args.warmup + args.steps):
-        ids = batch_for(rank, world, i, args.global_batch, args.seq_len, vocab)
-        dist.barrier()
-        t0 = time.perf_counter()
-        loss = step(ids)
-        dist.barrier()
-        elapsed = time.perf_counter() - t0
-        total = loss.detach().reshape(1).clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / world)
+        elapsed, loss = timed_step(step, batch_for(rank, world, i, args.global_batch, args.seq_len, vocab))
+        losses.append(loss)
         if i >= args.warmup:
             times.append(elapsed)
     return times, losses
