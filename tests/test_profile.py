@@ -159,6 +159,22 @@ def test_meta_copy_of_real_model_shares_no_memory():
     assert [n for n, _ in meta.named_parameters()] == [n for n, _ in model.named_parameters()]
 
 
+@pytest.mark.parametrize("mode", ["train", "eval"])
+def test_profiles_a_model_loaded_with_hub_kernels_on(tmp_path, mode):
+    """Transformers 5's ``from_pretrained`` turns hub kernels on when the ``kernels`` package is
+    installed, and such a model's ``train()`` re-kernelizes it, which a meta copy cannot
+    ("Unsupported device type 'meta'"). The profile sets the training flags itself."""
+    AutoModelForCausalLM.from_config(CONFIGS["llama-tiny"]()).save_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert getattr(model, "use_kernels", False), "the case this test is about: hub kernels on"
+    getattr(model, mode)()
+    meta = build_meta_model(model)
+    assert meta.training == model.training and all(p.is_meta for p in meta.parameters())
+    prof = profile_model(model, BATCH["llama-tiny"], dtype="float32", attention_target="cpu")
+    assert prof.activation_peak(False) > 0 and len(prof.params) == len(list(model.parameters()))
+    assert model.training == (mode == "train")  # the user's model keeps its mode
+
+
 def test_profile_7b_config_on_meta():
     """From the config alone, without allocating the 13.5 GB of weights (how long it takes
     is measured by benchmarks/bench_plan.py)."""

@@ -50,7 +50,7 @@ from hf_elixir.runtime.host_memory import keep_freed_host_memory, spawning_cpu_r
 from hf_elixir.planner.record import ElixirPlan
 from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode, loss_of
-from hf_elixir.profile.trace import EventWork, build_meta_model, make_batch
+from hf_elixir.profile.trace import EventWork, build_meta_model, make_batch, set_training
 from hf_elixir.runtime.comm import Collectives
 
 #: matmul shapes (tokens, in, out) of the ladder; ordered by FLOPs
@@ -371,8 +371,7 @@ class _MiniLM(nn.Module):
 def step_work(model: nn.Module, batch_shape: tuple[int, int], target: str):
     """The forward and backward of ``model`` on a ``batch_shape`` batch of ``input_ids``, as
     the profiler prices it on the meta device (one ``EventWork`` for the whole step)."""
-    meta = build_meta_model(model)
-    meta.train()
+    meta = set_training(build_meta_model(model))
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
     batch = make_batch(batch_shape, vocab, device="meta")
     work = EventWork()

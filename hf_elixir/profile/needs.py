@@ -19,7 +19,7 @@ from torch import nn
 from hf_elixir.profile.trace import build_meta_model
 from hf_elixir.profile.memory import run_step
 from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing
-from hf_elixir.profile.trace import ExecutionTracer, find_borrowed_reads, make_batch
+from hf_elixir.profile.trace import ExecutionTracer, find_borrowed_reads, make_batch, set_training
 
 
 @dataclass
@@ -98,7 +98,7 @@ def _nonzero_on_meta():
 def _trace(meta: nn.Module, example_batch: Any, fetch_units: Sequence[str], checkpointing: bool) -> FetchNeeds:
     """One traced step of ``meta`` (a meta copy, or the real model as a fallback)."""
     was_training = meta.training
-    meta.train()
+    set_training(meta)
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
     device = next(meta.parameters()).device
     batch = make_batch(example_batch, vocab, device=device)
@@ -116,5 +116,5 @@ def _trace(meta: nn.Module, example_batch: Any, fetch_units: Sequence[str], chec
     finally:
         if checkpointing:
             disable_checkpointing(meta)
-        meta.train(was_training)
+        set_training(meta, was_training)
     return FetchNeeds(tracer.trace.module_params, borrowed, tracer.trace.pins)

@@ -23,6 +23,7 @@ from hf_elixir.profile.trace import (
     find_borrowed_reads,
     make_batch,
     module_parameters,
+    set_training,
     tied_parameters,
 )
 
@@ -253,8 +254,7 @@ def profile_model(
     """
     start = time.perf_counter()
     dtype = canonical_dtype(dtype)
-    meta = build_meta_model(model_or_config, dtype)
-    meta.train()
+    meta = set_training(build_meta_model(model_or_config, dtype))
     fetch_units = detect_fetch_units(meta)
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
     batch = make_batch(example_batch, vocab, device="meta")

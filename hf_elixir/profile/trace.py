@@ -35,6 +35,20 @@ Phase = str  # "forward" | "backward" | "recompute"
 
 
 # ---------------------------------------------------------------------- meta models
+def set_training(module: nn.Module, mode: bool = True) -> nn.Module:
+    """Set ``training`` on ``module`` and every submodule, as ``nn.Module.train`` does, but
+    without calling any subclass's own ``train``.
+
+    A profile needs only the flags (dropout, checkpointing and the loss read them). A
+    Transformers model's ``train`` also re-kernelizes it when hub kernels are on, which
+    ``from_pretrained`` turns on whenever the ``kernels`` package is installed (Transformers 5),
+    and kernelizing a meta copy fails ("Unsupported device type 'meta'").
+    """
+    for m in module.modules():
+        m.training = mode
+    return module
+
+
 def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32") -> nn.Module:
     """A copy of the model whose parameters and buffers live on the meta device.
 
@@ -55,7 +69,7 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32")
         for b in model_or_config.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
         meta = copy.deepcopy(model_or_config, memo)
-        meta.train(model_or_config.training)
+        set_training(meta, model_or_config.training)
         return meta
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
