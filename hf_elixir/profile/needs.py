@@ -16,10 +16,9 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from hf_elixir.profile.trace import build_meta_model
 from hf_elixir.profile.memory import run_step
 from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing
-from hf_elixir.profile.trace import ExecutionTracer, find_borrowed_reads, make_batch, set_training
+from hf_elixir.profile.trace import ExecutionTracer, build_meta_model, find_borrowed_reads, make_batch, set_training
 
 
 @dataclass
