@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -388,6 +388,9 @@ def build_tiny(model_type: str, seed: int = 0) -> nn.Module | Skip | NotSmall:
     import transformers as tf
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    if model_type in CASES:
+        torch.manual_seed(seed)
+        return tf.AutoModelForCausalLM.from_config(CASES[model_type].config()).float().train()
     cls_name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type]
     if "ConditionalGeneration" in cls_name:
         return Skip("multimodal: its causal-LM class is a conditional-generation model")
@@ -436,9 +439,41 @@ def not_plainly_trainable(model_type: str) -> str:
     return ""
 
 
-def make_ids(batch: int, seq: int, seed: int = 1) -> torch.Tensor:
+def make_ids(batch: int, seq: int, seed: int = 1, model_type: str = "") -> torch.Tensor:
+    low, high = (CASES[model_type].tokens if model_type in CASES else (TOKEN_LOW, TOKEN_HIGH))
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(TOKEN_LOW, TOKEN_HIGH, (batch, seq), generator=g)
+    return torch.randint(low, high, (batch, seq), generator=g)
+
+
+# ---------------------------------------------------------------- cases an issue reported
+@dataclass(frozen=True)
+class Case:
+    """A model the sweep trains besides the config classes' shrunk defaults: one an issue
+    reported, with the issue's own config (built with seed 0 by ``build_tiny``), token ids
+    (``make_ids`` draws them from ``tokens``, seed 1) and packing (arch_sweep.chunk_size:
+    the largest parameter or a sixth of all elements, whichever is larger)."""
+
+    config: Callable[[], Any]
+    tokens: tuple[int, int]
+
+
+def _granitemoehybrid_issue39():
+    """Issue 39: two Mamba layers, each with four experts (two per token) and a shared MLP."""
+    from transformers import GraniteMoeHybridConfig
+
+    config = GraniteMoeHybridConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        attention_dropout=0.0, num_local_experts=4, num_experts_per_tok=2,
+        shared_intermediate_size=32, layer_types=["linear_attention", "linear_attention"],
+        mamba_n_heads=4, mamba_d_state=16, mamba_d_head=32, mamba_chunk_size=16)
+    config.use_cache = False
+    config.output_router_logits = False
+    config._attn_implementation = "eager"
+    return config
+
+
+CASES = {"granitemoehybrid_issue39": Case(_granitemoehybrid_issue39, tokens=(1, 128))}
 
 
 def causal_lm_types() -> list[str]:

@@ -17,7 +17,9 @@ Rank 0 compares (see ``verdict``): hf_elixir must not stray from the reference m
 ``FACTOR`` times plain PyTorch's spread, nor from its twin more than ``FACTOR`` times the
 split's distance (in practice it lands at 0 to 0.6 of it: the twin does its arithmetic).
 
-Starting the ranks costs seconds, so one spawned pair runs the whole list.
+Starting the ranks costs seconds, so one spawned pair runs the whole list. Besides model
+types, the list may name cases an issue reported (``arch_configs.CASES``): trained the same
+way on the issue's own model, token ids and packing (``chunk_size``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from arch_configs import SEQ, NotSmall, Skip, build_tiny, make_ids
+from arch_configs import CASES, SEQ, NotSmall, Skip, build_tiny, make_ids
 from loops import elixir_steps, plain_steps
 
 BATCH, STEPS = 4, 3
@@ -85,13 +87,33 @@ def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     return model(input_ids=ids, labels=ids).loss
 
 
-def _train_elixir(model: torch.nn.Module, ids: torch.Tensor, rank: int, group) -> tuple[list[float], dict]:
+def chunk_size(model_type: str, model: torch.nn.Module) -> int:
+    """The sweep's chunk size: an eighth of the trainable elements (at least 1024); for a
+    case an issue reported (``CASES``), the issue's: the largest parameter or a sixth of all
+    elements, whichever is larger, rounded up to a multiple of the world size (2)."""
+    sizes = [p.numel() for p in model.parameters() if p.requires_grad]
+    if model_type in CASES:
+        size = max(max(sizes), sum(sizes) // 6)
+        return size + size % 2
+    return max(1024, sum(sizes) // 8)
+
+
+def elixir_plan(model_type: str, model: torch.nn.Module):
+    """The plan the sweep trains ``model`` with at world size 2: half the chunks' optimizer
+    state offloaded, the fewest rCache blocks the plan accepts."""
     import hf_elixir as hfe
 
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    plan = hfe.ElixirPlan.simple(model, 2, chunk_size=max(1024, n_params // 8), offload_fraction=0.5,
+    plan = hfe.ElixirPlan.simple(model, 2, chunk_size=chunk_size(model_type, model), offload_fraction=0.5,
                                  example_batch=(BATCH // 2, SEQ))
     plan.rcache_blocks = plan.min_rcache_blocks  # the fewest blocks it accepts
+    return plan
+
+
+def _train_elixir(model_type: str, model: torch.nn.Module, ids: torch.Tensor, rank: int,
+                  group) -> tuple[list[float], dict]:
+    import hf_elixir as hfe
+
+    plan = elixir_plan(model_type, model)
     emodel = hfe.ElixirModule(model, plan, process_group=group)
     eopt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=LR))
     losses = elixir_steps(emodel, eopt, [ids.chunk(2)[rank]] * STEPS, clip=CLIP, loss_fn=_loss, group=group)
@@ -163,7 +185,7 @@ def _compare(rank: int, model_type: str, group) -> dict:
     if isinstance(model, NotSmall):
         return {"status": "fail", "reason": f"tiny config not small: {model.reason}"}
     start = _flat(model.state_dict())
-    ids = make_ids(BATCH, SEQ)
+    ids = make_ids(BATCH, SEQ, model_type=model_type)
     plain = build_tiny(model_type)  # same seed: the same weights
     try:
         plain_losses = _train_plain(plain, ids, splits=1 if rank == 0 else 2)
@@ -177,7 +199,7 @@ def _compare(rank: int, model_type: str, group) -> dict:
         return {"status": "skip", "reason": f"{kind}plain PyTorch fails to train it from input_ids alone: "
                                             f"{plain_error or 'on the other rank'}"}
     try:
-        got_losses, got = _train_elixir(model, ids, rank, group)
+        got_losses, got = _train_elixir(model_type, model, ids, rank, group)
         elixir_ok, error = True, ""
     except Exception:
         elixir_ok, error = False, traceback.format_exc(limit=6)
@@ -213,3 +235,40 @@ def sweep(rank: int, world_size: int, model_types: list[str]) -> dict:
 
     transformers.logging.set_verbosity_error()
     return {mt: _one(rank, mt) for mt in model_types}
+
+
+def first_gradients(rank: int, world_size: int, model_type: str) -> dict:
+    """hf_elixir's averaged gradients after one backward of the sweep's plan (each rank on
+    its half of the batch), gathered whole, and the modules whose inputs its hooks alias:
+    for a test that plain PyTorch in the same grouping (``twin_gradients``) gets every bit."""
+    import hf_elixir as hfe
+
+    warnings.filterwarnings("ignore")
+    model = build_tiny(model_type)
+    emodel = hfe.ElixirModule(model, elixir_plan(model_type, model))
+    eopt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=LR))
+    rows = make_ids(BATCH, SEQ, model_type=model_type).chunk(world_size)[rank]
+    eopt.backward(_loss(emodel, rows))
+    grads = {}
+    for chunk in emodel.chunks:
+        whole = torch.empty(chunk.size)
+        dist.all_gather_into_tensor(whole, chunk.grad_shard)
+        for slot in chunk.slots:
+            grads[slot.name] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    hooked = {name for name, module in model.named_modules() if module in emodel.hooks.units}
+    return {"grads": grads, "hooked": hooked}
+
+
+def twin_gradients(model_type: str, views: set[str]) -> dict:
+    """Plain PyTorch's gradients for the same two halves, averaged, with identity views at
+    the inputs of the ``views`` modules (none: plain PyTorch's own split). On one thread, as
+    the ranks run: more threads split a kernel's sums differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = with_input_views(build_tiny(model_type), views)
+        for rows in make_ids(BATCH, SEQ, model_type=model_type).chunk(2):
+            (_loss(model, rows) / 2).backward()
+    finally:
+        torch.set_num_threads(threads)
+    return {name: p.grad for name, p in model.named_parameters()}
