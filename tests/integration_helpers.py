@@ -40,11 +40,12 @@ def hf_elixir(*args: str, cwd: Path, env: dict[str, str] | None = None, timeout:
 def accelerate_launch(config: Path, port: int, script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
     """Plain Accelerate; on a CPU machine its multi-process path needs ACCELERATE_USE_CPU.
 
-    Its processes destroy their process groups at a normal exit (``REFERENCE_SITE``), as
-    hf_elixir's do, so an upstream abort at interpreter teardown does not fail the reference.
+    Its processes end as hf_elixir's do (``REFERENCE_SITE``: the process groups destroyed at
+    a normal exit, the script run through ``run_reference.py`` so that gloo threads which
+    outlive the groups cannot abort the interpreter's teardown).
     """
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-           "--main_process_port", str(port), str(SCRIPTS / script), *args]
+           "--main_process_port", str(port), str(REFERENCE_SITE / "run_reference.py"), str(SCRIPTS / script), *args]
     return check(run(cmd, cwd, reference_env()))
 
 

@@ -9,6 +9,12 @@ and then ends without any cleanup, after ``model.close()``, or after Accelerate'
 ``end_training()``; each run must exit with status 0, print nothing of an abort on any rank,
 and (without ``end_training``) have had its process groups destroyed by hf_elixir's exit
 handler rather than left to the interpreter's teardown.
+
+Destroying the groups does not join their threads when something else still holds a group
+(a DDP reducer does): scripts/held_groups.py ends that way, with an all-gather in flight, and
+aborts at teardown in about one run of four without help. Run through
+``process_exit.run_script`` (the launcher's bootstrap and the plain references'
+``run_reference.py``) it must end with the script's own status every time.
 """
 
 from __future__ import annotations
@@ -22,7 +28,8 @@ import yaml
 
 from harness import free_port
 from hf_elixir.integrations.launch import accelerate_view, read_config
-from integration_helpers import REFERENCE_SITE, SCRIPTS, accelerate_launch, hf_elixir, reference_env, worker_env
+from hf_elixir.integrations.process_exit import REPORT_ENV
+from integration_helpers import REFERENCE_SITE, SCRIPTS, accelerate_launch, hf_elixir, reference_env, run, worker_env
 
 ABORT_SIGNS = ("terminate called", "Aborted", "SIGABRT", "Signal 6", "core dumped", "Exception ignored",
                "Traceback", "could not destroy")
@@ -68,3 +75,49 @@ def test_plain_reference_runs_exit_cleanly(config, tmp_path) -> None:
         assert sign not in output, f"{sign!r} in the reference launcher's output\n{output[-6000:]}"
     for rank in (0, 1):
         assert f"rank {rank} trained" in proc.stdout
+
+
+def _held_groups(ending: str, tmp_path, launcher: str, config=None) -> tuple[subprocess.CompletedProcess, str]:
+    """scripts/held_groups.py on two ranks, under torchrun through the reference runner or
+    under ``hf-elixir launch`` (the bootstrap), with the exit step reporting its path."""
+    script = [str(SCRIPTS / "held_groups.py"), "--ending", ending]
+    if launcher == "reference":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(REFERENCE_SITE / "run_reference.py"), *script]
+        proc = run(cmd, tmp_path, dict(reference_env(), **{REPORT_ENV: "1"}))
+    else:
+        proc = hf_elixir("launch", "--config_file", str(config), "--main_process_port", str(free_port()), *script,
+                         cwd=tmp_path, env=worker_env(**{REPORT_ENV: "1"}))
+    return proc, proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("launcher", ["reference", "hf_elixir"])
+@pytest.mark.parametrize("run_index", range(3))
+def test_threads_that_outlive_their_groups_cannot_abort_a_finished_run(config, tmp_path, launcher, run_index) -> None:
+    proc, output = _held_groups("normal", tmp_path, launcher, config)
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{output[-6000:]}"
+    for sign in ABORT_SIGNS:
+        assert sign not in output, f"{sign!r} in the output\n{output[-6000:]}"
+    for rank in (0, 1):
+        assert f"rank {rank} done" in proc.stdout
+    # each rank took the final exit step with the script's status: under torchrun the DDP
+    # reducer keeps the threads past destroy (the hazard was real) and the process ends
+    # before the teardown; under the launcher the threads may also have gone with the groups
+    ended = output.count("gloo worker threads outlived their process groups; ending with status 0")
+    if launcher == "reference":
+        assert ended == 2, output[-6000:]
+    else:
+        assert ended + output.count("no gloo worker threads left; status 0") == 2, output[-6000:]
+
+
+@pytest.mark.parametrize("ending, status", [("exit3", 3), ("message", 1)])
+def test_a_script_that_exits_keeps_its_status(config, tmp_path, ending, status) -> None:
+    """Ending before the teardown keeps the status a script asked for: ``sys.exit(3)`` is 3,
+    ``SystemExit("message")`` prints the message and is 1, on every rank."""
+    proc, output = _held_groups(ending, tmp_path, "reference")
+    assert proc.returncode != 0
+    assert output.count(f"ending with status {status} before") == 2, output[-6000:]
+    assert re.search(rf"exitcode\s*:\s*{status}\b", output), output[-6000:]
+    assert "terminate called" not in output
+    if ending == "message":
+        assert output.count("ending with a message") >= 2

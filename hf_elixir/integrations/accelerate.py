@@ -12,8 +12,6 @@ Without a plugin (and without ``ACCELERATE_USE_ELIXIR=true``) it is a plain Acce
 
 from __future__ import annotations
 
-import atexit
-import gc
 import os
 import re
 import sys
@@ -34,6 +32,7 @@ from hf_elixir.integrations.planning import (
     batch_shape_from_loader, compute_dtype, machines_from_env, make_plan, optimizer_kind,
 )
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixir_requested, env_flag
+from hf_elixir.integrations.process_exit import destroy_process_groups_at_exit
 from hf_elixir.runtime import ElixirModule, ElixirOptimizer
 
 ELIXIR_STATE_DIR = "elixir_state"  # sharded checkpoint folder inside a save_state / Trainer checkpoint
@@ -103,7 +102,7 @@ class ElixirAccelerator(Accelerator):
         self.elixir_split_batches = False
         if elixir_plugin is not None:
             self.scaler = None  # the ElixirOptimizer scales fp16 losses itself
-            _finish_process_groups_at_exit()
+            destroy_process_groups_at_exit()  # a normal end destroys the groups (process_exit.py)
 
     @property
     def is_elixir(self) -> bool:
@@ -443,53 +442,6 @@ def _latest_checkpoint(folder: str) -> Optional[str]:
         return None
     numbered = [(int(m.group(1)), f) for f in os.listdir(folder) if (m := re.search(r"(\d+)$", f))]
     return os.path.join(folder, max(numbered)[1]) if numbered else None
-
-
-_exit_handler = {"installed": False, "uncaught": False}
-
-
-def _finish_process_groups_at_exit() -> None:
-    """Destroy the process groups at exit when the script did not, as the last step of a
-    run that ended normally.
-
-    A process that reaches interpreter shutdown with gloo groups alive can abort there
-    ("terminate called without an active exception", or SIGABRT): the groups' worker threads
-    still hold finished work whose tensors are released while the interpreter is being torn
-    down (pytorch/pytorch#190489, #179291). Ordinary scripts and the Trainer never call
-    ``destroy_process_group()``. This handler runs after the runtime's own exit handlers
-    have waited for the gathers the last optimizer step prefetched (they are registered
-    later, so they run first), and destroys the default group and with it every group
-    made from it, while the interpreter is still whole. It first collects the garbage:
-    when a script's ``main()`` has returned, its Trainer, model and runtime are unreachable
-    cycles that still hold the groups' handles, so the groups would otherwise only be
-    released later, inside the interpreter's own teardown.
-
-    It does nothing after an uncaught exception: a failing rank must exit at once, so the
-    launcher can stop the others, rather than wait on peers that are still training.
-    """
-    if _exit_handler["installed"]:
-        return
-    _exit_handler["installed"] = True
-    previous = sys.excepthook
-
-    def note_uncaught(kind, value, tb):
-        _exit_handler["uncaught"] = True
-        previous(kind, value, tb)
-
-    sys.excepthook = note_uncaught
-    atexit.register(_destroy_process_groups)
-
-
-def _destroy_process_groups() -> None:
-    import torch.distributed as dist
-
-    if _exit_handler["uncaught"] or not (dist.is_available() and dist.is_initialized()):
-        return
-    gc.collect()
-    try:
-        dist.destroy_process_group()
-    except Exception as e:  # exit goes on; say why the groups were left to the interpreter
-        print(f"hf_elixir: could not destroy the process groups at exit: {e}", file=sys.stderr, flush=True)
 
 
 def _refuse_other_sharding(kwargs: dict) -> None:

@@ -6,13 +6,15 @@ Scripts find ``Accelerator``, ``Trainer`` and ``TrainingArguments`` by name in t
 ``accelerate`` and ``transformers`` packages; replacing those names with the elixir
 subclasses before the script runs gives an unmodified script the hf_elixir runtime. The
 subclasses stay plain Accelerate/Trainer classes unless ``ACCELERATE_USE_ELIXIR`` is true.
+The script runs through ``process_exit.run_script``, so a worker that finished its work
+ends with the script's status even when gloo threads outlive its process groups.
 """
 
 from __future__ import annotations
 
-import os
-import runpy
 import sys
+
+from hf_elixir.integrations.process_exit import run_script
 
 
 def install() -> None:
@@ -43,9 +45,7 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("usage: python -m hf_elixir.integrations.bootstrap script.py [args...]")
     script, *rest = argv
     install()
-    sys.argv = [script, *rest]
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    run_script(script, rest)
 
 
 if __name__ == "__main__":
