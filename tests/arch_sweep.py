@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from arch_configs import CASES, SEQ, NotSmall, Skip, build_tiny, make_ids
-from loops import elixir_steps, plain_steps
+from loops import elixir_steps, gathered_gradients, plain_steps
 
 BATCH, STEPS = 4, 3
 LR, CLIP = 1e-3, 1.0
@@ -249,26 +249,25 @@ def first_gradients(rank: int, world_size: int, model_type: str) -> dict:
     eopt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=LR))
     rows = make_ids(BATCH, SEQ, model_type=model_type).chunk(world_size)[rank]
     eopt.backward(_loss(emodel, rows))
-    grads = {}
-    for chunk in emodel.chunks:
-        whole = torch.empty(chunk.size)
-        dist.all_gather_into_tensor(whole, chunk.grad_shard)
-        for slot in chunk.slots:
-            grads[slot.name] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    hooked = {name for name, module in model.named_modules() if module in emodel.hooks.units}
-    return {"grads": grads, "hooked": hooked}
+    return gathered_gradients(emodel, model)
 
 
-def twin_gradients(model_type: str, views: set[str]) -> dict:
-    """Plain PyTorch's gradients for the same two halves, averaged, with identity views at
-    the inputs of the ``views`` modules (none: plain PyTorch's own split). On one thread, as
-    the ranks run: more threads split a kernel's sums differently."""
+def split_gradients(model: torch.nn.Module, halves, loss) -> dict:
+    """Plain PyTorch's gradients of ``model`` for the two ``halves`` of a batch, averaged, as
+    two ranks would compute them: on one thread, as the ranks run (more threads split a
+    kernel's sums differently, and a test's thread count depends on what ran before it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        model = with_input_views(build_tiny(model_type), views)
-        for rows in make_ids(BATCH, SEQ, model_type=model_type).chunk(2):
-            (_loss(model, rows) / 2).backward()
+        for rows in halves:
+            (loss(model, rows) / 2).backward()
     finally:
         torch.set_num_threads(threads)
     return {name: p.grad for name, p in model.named_parameters()}
+
+
+def twin_gradients(model_type: str, views: set[str]) -> dict:
+    """``split_gradients`` of a sweep model with identity views at the inputs of the
+    ``views`` modules (none: plain PyTorch's own split)."""
+    model = with_input_views(build_tiny(model_type), views)
+    return split_gradients(model, make_ids(BATCH, SEQ, model_type=model_type).chunk(2), _loss)

@@ -104,3 +104,17 @@ def elixir_steps(emodel: torch.nn.Module, eoptimizer, batches: Iterable[torch.Te
             dist.all_reduce(total, group=group)
         losses.append(total.item() / world)
     return losses
+
+
+def gathered_gradients(emodel, model: torch.nn.Module) -> dict:
+    """After a backward: every parameter's averaged gradient, gathered whole from the chunks'
+    gradient shards (collective), and the names of the modules whose inputs the hooks alias,
+    for a test that compares them with plain PyTorch given the same identity views."""
+    grads = {}
+    for chunk in emodel.chunks:
+        whole = torch.empty(chunk.size)
+        dist.all_gather_into_tensor(whole, chunk.grad_shard)
+        for slot in chunk.slots:
+            grads[slot.name] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+    hooked = {name for name, module in model.named_modules() if module in emodel.hooks.units}
+    return {"grads": grads, "hooked": hooked}

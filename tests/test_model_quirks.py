@@ -13,7 +13,7 @@ import torch
 import hf_elixir as hfe
 from equivalence import assert_matches
 from harness import run_distributed
-from loops import elixir_steps, plain_steps
+from loops import elixir_steps, gathered_gradients, plain_steps
 from quirk_models import QUIRKS, make_quirk
 from tiny_models import make_batch
 
@@ -105,32 +105,21 @@ def test_a_residual_stream_into_a_norm_and_three_projections() -> None:
 def _first_gradients(rank: int, world_size: int) -> dict:
     """hf_elixir's averaged gradients after one backward (each rank on its half of the
     batch), gathered whole, and the modules whose inputs its hooks alias."""
-    import torch.distributed as dist
-
     model = make_quirk("residual_into_norm")
     em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=CHUNK))
     eopt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6))
     rows = make_batch(4, 12)[rank * 2 : rank * 2 + 2]
     eopt.backward(em(input_ids=rows, labels=rows)["loss"])
-    grads = {}
-    for chunk in em.chunks:
-        whole = torch.empty(chunk.size)
-        dist.all_gather_into_tensor(whole, chunk.grad_shard)
-        for slot in chunk.slots:
-            grads[slot.name] = whole[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
-    hooked = {name for name, module in model.named_modules() if module in em.hooks.units}
-    return {"grads": grads, "hooked": hooked}
+    return gathered_gradients(em, model)
 
 
 def _plain_split_gradients(views: set[str]) -> dict:
     """Plain PyTorch's gradients for the same two halves, averaged, with identity views at
     the inputs of the ``views`` modules."""
-    from arch_sweep import with_input_views
+    from arch_sweep import split_gradients, with_input_views
 
     model = with_input_views(make_quirk("residual_into_norm"), views)
-    for rows in make_batch(4, 12).chunk(2):
-        (model(input_ids=rows, labels=rows)["loss"] / 2).backward()
-    return {name: p.grad for name, p in model.named_parameters()}
+    return split_gradients(model, make_batch(4, 12).chunk(2), lambda m, rows: m(input_ids=rows, labels=rows)["loss"])
 
 
 def test_gradients_are_plain_pytorchs_with_the_hooks_identity_views() -> None:
