@@ -25,6 +25,7 @@ import hf_elixir as hfe
 from equivalence import assert_matches, elixir_run, reference_run
 from harness import run_distributed
 from hf_elixir.runtime import comm as comm_mod
+from hf_elixir.runtime import devices
 from hf_elixir.runtime import module as module_mod
 from loops import elixir_steps
 from test_equivalence import case_plans
@@ -38,7 +39,7 @@ def test_move_to_device_reaches_every_nested_tensor() -> None:
     Pair = collections.namedtuple("Pair", "a b")
     cpu = torch.ones(2)
     obj = {"ids": cpu, "nested": [cpu, (cpu, 3)], "pair": Pair(cpu, "x"), "n": None}
-    moved = module_mod.move_to_device(obj, torch.device("meta"))
+    moved = devices.move_to_device(obj, torch.device("meta"))
     assert moved["ids"].is_meta and moved["nested"][0].is_meta and moved["nested"][1][0].is_meta
     assert moved["nested"][1][1] == 3 and moved["n"] is None
     assert isinstance(moved["pair"], Pair) and moved["pair"].a.is_meta and moved["pair"].b == "x"
@@ -80,15 +81,15 @@ def four_gpus(monkeypatch):
 
 def test_the_device_follows_local_rank_and_is_made_current(four_gpus, monkeypatch) -> None:
     monkeypatch.setenv("LOCAL_RANK", "2")
-    assert module_mod.resolve_device() == torch.device("cuda", 2)
+    assert devices.resolve_device() == torch.device("cuda", 2)
     assert four_gpus == [2]
-    assert module_mod.resolve_device("cuda:1") == torch.device("cuda", 1) and four_gpus == [2, 1]
-    assert module_mod.resolve_device("cpu") == torch.device("cpu") and four_gpus == [2, 1]
+    assert devices.resolve_device("cuda:1") == torch.device("cuda", 1) and four_gpus == [2, 1]
+    assert devices.resolve_device("cpu") == torch.device("cpu") and four_gpus == [2, 1]
     monkeypatch.setenv("LOCAL_RANK", "5")
     with pytest.raises(RuntimeError, match="4 CUDA devices are visible"):
-        module_mod.resolve_device()
+        devices.resolve_device()
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # one visible device per rank
-    assert module_mod.resolve_device() == torch.device("cuda", 0)
+    assert devices.resolve_device() == torch.device("cuda", 0)
 
 
 def test_device_cpu_forces_the_cpu_on_a_gpu_machine(four_gpus) -> None:

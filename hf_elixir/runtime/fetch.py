@@ -9,13 +9,14 @@ depends only on that request sequence, so the collectives line up.
 from __future__ import annotations
 
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState
 from hf_elixir.runtime.ledger import MemoryLedger
+from hf_elixir.runtime.timing import StepClock
 from hf_elixir.vocab import HfElixirError
 
 
@@ -31,8 +32,11 @@ class Fetcher:
         ledger: MemoryLedger,
         prefetch_depth: int,
         placeholder: torch.Tensor,
+        clock: Optional[StepClock] = None,
     ) -> None:
         self.chunks = chunks
+        #: charged with the time a fetch waits for gathers (none is marked on a cache hit)
+        self.clock = clock
         self.cache = cache
         self.ledger = ledger
         self.prefetch_depth = prefetch_depth
@@ -53,9 +57,12 @@ class Fetcher:
         self.prefetch()
 
     def _fetch(self, cids: Sequence[int], pinned: list[int]) -> None:
+        start = None  # marked at the first chunk this fetch must wait for
         for cid in cids:
             self.cache.note_request(cid)
             chunk = self.chunks[cid]
+            if chunk.state is not ChunkState.GATHERED and start is None and self.clock is not None:
+                start = self.clock.mark()
             if chunk.state is ChunkState.RELEASED:
                 if not chunk.has_block and not chunk.in_place:  # in place: no block needed
                     self._make_room(exclude=cids)
@@ -67,6 +74,8 @@ class Fetcher:
                 chunk.finish_gather()
             chunk.pins += 1
             pinned.append(cid)
+        if start is not None:
+            self.clock.device_phase("exposed_communication", start)
 
     def unpin(self, cids: Sequence[int]) -> None:
         for cid in cids:

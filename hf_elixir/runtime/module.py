@@ -10,7 +10,6 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
-import os
 import weakref
 import zlib
 from typing import Any, Iterator, Mapping, Optional
@@ -24,6 +23,7 @@ from hf_elixir.profile.profiler import enable_checkpointing, model_checkpoints
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
+from hf_elixir.runtime.devices import move_to_device, pinned_pool, resolve_device
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager, in_backward
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
@@ -31,72 +31,10 @@ from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.recovery import Recovery, Replanner, adopt_plan
 from hf_elixir.runtime.reduce import GradReducer
 from hf_elixir.runtime.released import mark_released
+from hf_elixir.runtime.threads import host_threads
+from hf_elixir.runtime.timing import StepClock, summarize
 
 _WRAPPED_ATTR = "_hf_elixir_wrapped"
-
-
-def resolve_device(device: Optional[torch.device | str] = None) -> torch.device:
-    """The compute device, made current for CUDA.
-
-    Default: ``cuda:LOCAL_RANK`` (the launcher's local rank; the current CUDA device when it
-    is unset), else the CPU. ``"cpu"`` forces the CPU on a GPU machine. A CUDA device
-    becomes the current device, so the collectives, the allocator and the copy stream all
-    use the device this rank owns instead of cuda:0.
-    """
-    if device is not None:
-        device = torch.device(device)
-        if device.type != "cuda":
-            return device
-        index = device.index
-    elif torch.cuda.is_available():
-        index = None
-    else:
-        return torch.device("cpu")
-    count = torch.cuda.device_count()
-    if index is None:
-        local = os.environ.get("LOCAL_RANK")
-        index = int(local) if local is not None else torch.cuda.current_device()
-        if index >= count and count == 1:
-            index = 0  # one visible device per process (CUDA_VISIBLE_DEVICES set per rank)
-    if not 0 <= index < count:
-        raise RuntimeError(
-            f"this rank should compute on cuda:{index} (LOCAL_RANK={os.environ.get('LOCAL_RANK')}) "
-            f"but {count} CUDA devices are visible; launch at most {count} processes per node, "
-            "or pass device= explicitly"
-        )
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
-
-
-def move_to_device(obj: Any, device: torch.device) -> Any:
-    """``obj`` with every tensor in it (nested in tuples, lists and mappings) on ``device``.
-    Host-to-device copies are asynchronous (they are ordered on the compute stream)."""
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device, non_blocking=True)
-    if isinstance(obj, (list, tuple)):
-        items = [move_to_device(item, device) for item in obj]
-        if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)
-    if isinstance(obj, Mapping):
-        moved = {k: move_to_device(v, device) for k, v in obj.items()}
-        if type(obj) is dict:
-            return moved
-        try:
-            return type(obj)(moved)  # BatchEncoding and other dict-likes
-        except Exception:
-            return moved
-    return obj
-
-
-def _pinned_pool(dtype: torch.dtype, sizes: list[int]) -> list[torch.Tensor]:
-    """Views of one pinned host allocation of exactly ``sum(sizes)`` elements."""
-    pool = torch.empty(sum(sizes), dtype=dtype, pin_memory=True)
-    views, start = [], 0
-    for n in sizes:
-        views.append(pool[start : start + n])
-        start += n
-    return views
 
 
 class ElixirModule(nn.Module):
@@ -180,8 +118,13 @@ class ElixirModule(nn.Module):
         self.slot_by_name = {s.name: s for s in self.slots}
         self._slot_of_param = {id(s.param): s for s in self.slots}
         self.cache = RCache(plan.rcache_blocks, agree=self._same_on_every_rank if self.comm.distributed else None)
-        self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder)
-        self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots))
+        #: where each training step's time goes (runtime/timing.py; ``time_report()``)
+        self.clock = StepClock(self.device)
+        #: threads the optimizer's element-wise host work runs on (runtime/threads.py)
+        self.host_threads = host_threads()
+        self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder,
+                               clock=self.clock)
+        self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots), clock=self.clock)
         self.hooks = HookManager(
             root=model,
             units=self._fetch_units(),
@@ -248,7 +191,7 @@ class ElixirModule(nn.Module):
         staged = [i for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu" and not c.frozen]
         pools = []
         for ids in (offloaded, staged):
-            views = _pinned_pool(self.dtype, [layout[i][0] // W for i in ids]) if ids else []
+            views = pinned_pool(self.dtype, [layout[i][0] // W for i in ids]) if ids else []
             pools.append(dict(zip(ids, views)))
         return pools[0], pools[1]
 
@@ -343,7 +286,10 @@ class ElixirModule(nn.Module):
         """The model's forward, with tensor inputs moved to the compute device."""
         args, kwargs = move_to_device((args, kwargs), self.device)
         self.comm.counter.forward_passes += 1
-        if self.module.training and torch.is_grad_enabled() and not in_backward() and self.recovery.enabled:
+        training = self.module.training and torch.is_grad_enabled() and not in_backward()
+        if training:
+            self.clock.begin_pass()
+        if training and self.recovery.enabled:
             return self.recovery.run_forward(lambda: self.module(*args, **kwargs), args, kwargs)
         return self.module(*args, **kwargs)
 
@@ -370,10 +316,12 @@ class ElixirModule(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradient shards too: training loops that only call ``model.zero_grad()``
         (the Transformers Trainer does) must not carry gradients into the next step."""
+        start = self.clock.now()
         super().zero_grad(set_to_none=set_to_none)
         for chunk in self.chunks:
             chunk.grad_shard.zero_()
         self.reducer.clear_seen()
+        self.clock.host_phase("zero_grad", start)
 
     def drain(self) -> None:
         """Wait for gathers still in flight (the prefetch started after each optimizer step).
@@ -463,6 +411,20 @@ class ElixirModule(nn.Module):
         report["rcache_blocks"] = self.plan.rcache_blocks
         report["cache_stats"] = dict(vars(self.cache.stats))
         report["comm"] = self.comm_report()
+        return report
+
+    def time_report(self, reset: bool = False) -> dict:
+        """Where this rank's training steps spent their time, by phase, in the planner's
+        names (``runtime/timing.py`` defines each): ``measured`` is the mean over the steps
+        since the last reset (the first left out: it records the pass's trace), ``last`` the
+        latest step's, ``predicted`` the plan's figures for one step of its batch
+        (``plan.predictions["time"]``), ``host_threads`` the threads the host update used.
+        ``reset=True`` starts a new window after reading this one.
+        ``timing.format_report`` prints it as a table."""
+        report = summarize(self.clock.steps(), self.plan.predictions.get("time"))
+        report["host_threads"] = self.host_threads
+        if reset:
+            self.clock.reset()
         return report
 
     def comm_report(self, reset: bool = False) -> dict:

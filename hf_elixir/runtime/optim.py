@@ -24,6 +24,7 @@ from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
 from hf_elixir.runtime.recovery import MicroBatch, model_loss
 from hf_elixir.runtime.reduce import REPLAN
+from hf_elixir.runtime.threads import using_threads
 
 SUPPORTED = (AdamW, Adam, SGD)
 
@@ -178,6 +179,13 @@ class ElixirOptimizer(Optimizer):
         if recovery.step_failed and not recovery.redoing:
             recovery.pending_clip = (max_norm, norm_type)
             return torch.tensor(float("nan"))
+        clock = self.module.clock
+        start = clock.now()
+        total = self._clip(max_norm, norm_type)
+        clock.host_phase("clip", start)
+        return total
+
+    def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._unscale()
         norm_type = float(norm_type)
         by_device = self._by_device()  # one host sync per device, not one per chunk
@@ -325,14 +333,20 @@ class ElixirOptimizer(Optimizer):
         # an LR scheduler built on the user's optimizer checks that it stepped
         self.inner._opt_called = True
         recovery = self.module.recovery
+        clock = self.module.clock
+        start = clock.now()
         active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
+        clock.host_phase("optimizer_other", start)
         while failed:  # a rank ran out of memory in this step: re-plan, redo, then update
             recovery.recover(self._redo)
+            start = clock.now()
             active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
+            clock.host_phase("optimizer_other", start)
             if not failed and recovery.pending_clip is not None:
                 recovery.note_redone_norm(self.clip_grad_norm_(*recovery.pending_clip))
         if self.module.reducer.agreed == REPLAN:  # an earlier update recovered on its own
             recovery.replan_only()
+        start = clock.now()
         if self.scaler is not None:
             self._unscale()
             found = self._found_inf()
@@ -342,6 +356,8 @@ class ElixirOptimizer(Optimizer):
                 self.skipped_steps = getattr(self, "skipped_steps", 0) + 1
                 self.module.comm.counter.steps += 1
                 recovery.stepped()
+                clock.host_phase("optimizer_other", start)
+                clock.end_step()
                 return loss
         # gathered views of the old shards are dropped and every copy reading host shards is
         # finished before any shard changes (frozen chunks cannot change: they stay gathered)
@@ -373,14 +389,10 @@ class ElixirOptimizer(Optimizer):
             recovery.check("optimizer")
         except torch.OutOfMemoryError as exc:  # before anything changed: free, go on, re-plan later
             recovery.update_failed(exc)
-        for i, key in enumerate(order):
-            self._update(self.param_groups[key[1]], key[2], batches[key])
-            last_of_chunk = i + 1 == len(order) or order[i + 1][0] != key[0]
-            if key[0] >= 0 and last_of_chunk:
-                self._publish(self.module.chunks[key[0]], readers_done)
-        for chunk in self.module.chunks:
-            if not chunk.uploads_from_staging:
-                self._publish(chunk, readers_done)
+        clock.host_phase("optimizer_other", start)
+        with using_threads(self.module.host_threads):  # element-wise work only (threads.py)
+            self._update_all(order, batches, readers_done)
+        start = clock.now()
         if self.module.heap_guard is not None:  # between steps: the heap holds the least now
             self.module.heap_guard.after_step()
         self.module.prefetch_next_pass()
@@ -388,7 +400,37 @@ class ElixirOptimizer(Optimizer):
         self._grads_unscaled = False
         self.module.comm.counter.steps += 1
         recovery.stepped()
+        clock.host_phase("optimizer_other", start)
+        clock.end_step()
         return loss
+
+    def _update_all(self, order: list[tuple], batches: dict[tuple, dict[str, list]],
+                    readers_done: Optional[torch.cuda.Event]) -> None:
+        """The updates in ``order``, each staged chunk published as soon as its last batch is
+        done, then the other chunks. Updates of state the plan keeps on the device are timed
+        on the compute stream (``device_optimizer``), those on the host on the host
+        (``cpu_optimizer``); publishing is ``host_copies``."""
+        clock = self.module.clock
+        host_state = {i for i, c in enumerate(self.module.plan.chunks) if c.optim_placement == "cpu"}
+        for i, key in enumerate(order):
+            if key[0] in host_state or (key[0] < 0 and key[2] != self.module.device):
+                start = clock.now()
+                self._update(self.param_groups[key[1]], key[2], batches[key])
+                clock.host_phase("cpu_optimizer", start)
+            else:
+                mark = clock.mark()
+                self._update(self.param_groups[key[1]], key[2], batches[key])
+                clock.device_phase("device_optimizer", mark)
+            last_of_chunk = i + 1 == len(order) or order[i + 1][0] != key[0]
+            if key[0] >= 0 and last_of_chunk:
+                start = clock.now()
+                self._publish(self.module.chunks[key[0]], readers_done)
+                clock.host_phase("host_copies", start)
+        start = clock.now()
+        for chunk in self.module.chunks:
+            if not chunk.uploads_from_staging:
+                self._publish(chunk, readers_done)
+        clock.host_phase("host_copies", start)
 
     @staticmethod
     def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event]) -> None:

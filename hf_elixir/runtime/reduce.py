@@ -32,6 +32,7 @@ from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.schedule import END_BACKWARD
+from hf_elixir.runtime.timing import StepClock
 
 #: what the last element of the end-of-backward all-reduce says (the maximum over ranks wins)
 HEALTHY, REPLAN, FAILED = 0, 1, 2
@@ -45,8 +46,11 @@ class GradReducer:
         ledger: MemoryLedger,
         n_slots: int,
         max_in_flight: int = REDUCTIONS_IN_FLIGHT,
+        clock: Optional[StepClock] = None,
     ) -> None:
         self.chunks = chunks
+        #: charged with the waits for reductions and downloads, told where each backward ends
+        self.clock = clock
         self.trainable = [c for c in chunks if not c.frozen]
         self.comm = comm
         self.ledger = ledger
@@ -138,14 +142,24 @@ class GradReducer:
         """Wait once for every download, then add them into the fp32 gradient shards."""
         if not self.downloads:
             return
+        clock = self.clock
+        start = clock.now() if clock else 0.0
         torch.cuda.current_stream(self.downloads[0].device).synchronize()
+        if clock:
+            clock.host_phase("pcie", start)
+            start = clock.now()
         for chunk in self.downloads:
             chunk.grad_shard.add_(chunk.staging)
         self.downloads.clear()
+        if clock:
+            clock.host_phase("host_copies", start)
 
     def _complete(self, entry: tuple[Chunk, Optional[torch.Tensor], Work]) -> None:
         chunk, scratch, work = entry
+        start = self.clock.mark() if self.clock else None
         work.wait()  # also adds the reduced slice into chunk.grad_shard (unless staged)
+        if self.clock:
+            self.clock.device_phase("exposed_communication", start)
         if chunk.staging is not None:  # one rank: the buffer's first shard_size elements are the shard
             self._download(chunk, scratch if scratch is not None else chunk.grad_buffer[: chunk.shard_size])
         if scratch is not None:
@@ -170,6 +184,8 @@ class GradReducer:
             self._reduce(chunk)
         while self.pending:
             self._complete(self.pending.popleft())
+        if self.clock:  # the pass ends here; the host's wait for downloads is pcie
+            self.clock.end_pass()
         self._drain_downloads()
         for chunk in self.chunks:
             chunk.grads_received.clear()

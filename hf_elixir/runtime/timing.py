@@ -1,0 +1,204 @@
+"""Where a training step's time goes, measured on every step at negligible cost.
+
+The runtime marks the points where its work begins and ends: a training forward, the end
+of a backward, a wait for a gather or a reduction, the gradient norm, the optimizer's
+updates and copies. On a CPU a mark is ``time.perf_counter()``; on a CUDA device, phases
+that run on the compute stream are timed by CUDA events recorded on it (a few microseconds
+each, read once the step's work has finished), so a stall of the stream behind a gather or
+an upload is measured where it happens, not where the host waited. Host work (the host
+optimizer, casts into staging buffers) is always timed on the host.
+
+Phases carry the planner's names (``plan.predictions["time"]``, ``planner/search.py``), so
+``ElixirModule.time_report()`` puts each measured figure beside its prediction:
+
+- ``forward_backward``: the training passes, from each forward's start to its backward's
+  end, summed over the micro-batches of the step.
+- ``exposed_communication``: the part of those passes spent waiting for gathers (fetches)
+  and gradient reductions; ``compute`` is the rest of the passes.
+- ``pcie``: waits for gradient downloads and host-buffer uploads (CUDA only).
+- ``clip``: the global gradient norm and the scaling of gradients for clipping.
+- ``device_optimizer`` / ``cpu_optimizer``: the optimizer's updates of shards whose state
+  the plan put on the device / on the host.
+- ``host_copies``: publishing updated weights: the compute-dtype copies of master shards
+  (casts into staging buffers on a GPU) and their uploads' start.
+- ``optimizer_other``: the rest of ``step()`` (the agreement on which parameters had
+  gradients, dropping gathered chunks, starting the next pass's prefetch).
+- ``zero_grad``: clearing the gradient shards (a pass over them; a script calls it between
+  steps, so it is charged to the step that follows).
+- ``step``: from the first forward of the step to the end of ``step()``, plus ``zero_grad``
+  when it ran before that forward; ``outside`` is what the runtime did not see (the
+  script's own work between its calls: data loading, logging).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+#: the phases of a step, in the order a report lists them
+PHASES = ("forward_backward", "compute", "exposed_communication", "pcie", "clip", "device_optimizer",
+          "cpu_optimizer", "host_copies", "optimizer_other", "zero_grad", "outside", "step")
+#: the phases that together make up a step (``compute`` and ``exposed_communication`` split
+#: ``forward_backward``; ``outside`` is the remainder)
+PARTS = ("forward_backward", "pcie", "clip", "device_optimizer", "cpu_optimizer", "host_copies",
+         "optimizer_other", "zero_grad")
+#: steps whose breakdowns are kept for the report
+KEPT_STEPS = 200
+
+Mark = Any  # a perf_counter() float, or a CUDA event recorded on the compute stream
+
+
+@dataclass
+class _Open:
+    """The step being measured: host seconds by phase, and device intervals to read later."""
+
+    start: Mark
+    host: dict[str, float] = field(default_factory=dict)
+    device: list[tuple[str, Mark, Mark]] = field(default_factory=list)
+    micro_batches: int = 0
+    pass_start: Optional[Mark] = None
+    #: host seconds charged before the step opened (its zero_grad), outside its interval
+    carried: float = 0.0
+
+
+class StepClock:
+    """Per-step breakdown of a runtime's time (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.events = device.type == "cuda"
+        self.device = device
+        self._open: Optional[_Open] = None
+        #: host time charged while no step was open (``zero_grad`` after a step), for the next
+        self._carry: dict[str, float] = {}
+        self._pending: deque[_Open] = deque()
+        self._done: deque[dict[str, float]] = deque(maxlen=KEPT_STEPS)
+
+    # ------------------------------------------------------------------ marks
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def mark(self) -> Mark:
+        """A point on the compute timeline: an event on the current stream (CUDA), else now."""
+        if not self.events:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    # ------------------------------------------------------------------ recording
+    def begin_pass(self) -> None:
+        """A training forward starts (opens the step on its first micro-batch)."""
+        mark = self.mark()
+        if self._open is None:
+            self._open = _Open(start=mark, host=self._carry, carried=sum(self._carry.values()))
+            self._carry = {}
+        self._open.pass_start = mark
+
+    def end_pass(self) -> None:
+        """A backward ended: the pass since ``begin_pass`` is one micro-batch's."""
+        step = self._open
+        if step is None or step.pass_start is None:
+            return
+        self._interval(step, "forward_backward", step.pass_start, self.mark())
+        step.pass_start = None
+        step.micro_batches += 1
+
+    def device_phase(self, phase: str, start: Mark) -> None:
+        """Charge ``phase`` from ``start`` (a ``mark()``) to now, on the compute timeline."""
+        if self._open is not None:
+            self._interval(self._open, phase, start, self.mark())
+
+    def host_phase(self, phase: str, start: float) -> None:
+        """Charge ``phase`` from ``start`` (a ``now()``) to now, on the host; with no step
+        open, to the next step."""
+        host = self._open.host if self._open is not None else self._carry
+        host[phase] = host.get(phase, 0.0) + time.perf_counter() - start
+
+    def end_step(self) -> None:
+        """The optimizer step is over: close the step (read on a later report)."""
+        step = self._open
+        if step is None:
+            return
+        self._open = None
+        self._interval(step, "step", step.start, self.mark())
+        self._pending.append(step)
+        self._resolve(wait=False)
+
+
+    def _interval(self, step: _Open, phase: str, start: Mark, end: Mark) -> None:
+        if self.events:
+            step.device.append((phase, start, end))
+        else:
+            step.host[phase] = step.host.get(phase, 0.0) + end - start
+
+    # ------------------------------------------------------------------ reading
+    def _resolve(self, wait: bool) -> None:
+        """Turn finished steps into breakdowns; ``wait``: finish their events first."""
+        while self._pending:
+            step = self._pending[0]
+            if step.device:
+                last = step.device[-1][2]
+                if not wait and not last.query():
+                    return
+                last.synchronize()
+            self._pending.popleft()
+            seconds = dict(step.host)
+            for phase, start, end in step.device:
+                seconds[phase] = seconds.get(phase, 0.0) + start.elapsed_time(end) / 1e3
+            # work charged before the step's first forward (its zero_grad) is part of the step
+            seconds["step"] = seconds.get("step", 0.0) + step.carried
+            self._done.append(_breakdown(seconds, step.micro_batches))
+
+    def steps(self) -> list[dict[str, float]]:
+        """The breakdowns of the measured steps, oldest first (at most KEPT_STEPS)."""
+        self._resolve(wait=True)
+        return list(self._done)
+
+    def reset(self) -> None:
+        self._resolve(wait=True)
+        self._done.clear()
+        self._carry = {}
+
+
+def _breakdown(seconds: dict[str, float], micro_batches: int) -> dict[str, float]:
+    out = {phase: seconds.get(phase, 0.0) for phase in PHASES if phase not in ("compute", "outside")}
+    out["compute"] = max(0.0, out["forward_backward"] - out["exposed_communication"])
+    out["outside"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
+    out["micro_batches"] = float(micro_batches)
+    return out
+
+
+def summarize(steps: list[dict[str, float]], predicted: Optional[dict[str, float]] = None,
+              skip_first: int = 1) -> dict[str, Any]:
+    """The report of ``time_report()``: the mean of each phase over the measured steps (the
+    first ``skip_first`` left out when more remain: the first step records the trace and
+    warms caches), the last step's, and the plan's prediction per micro-batch step."""
+    used = steps[skip_first:] if len(steps) > skip_first else steps
+    mean = {p: sum(s[p] for s in used) / len(used) for p in (*PHASES, "micro_batches")} if used else {}
+    return {"steps": len(used), "measured": mean, "last": steps[-1] if steps else {},
+            "predicted": dict(predicted or {})}
+
+
+def format_report(report: dict[str, Any]) -> str:
+    """The report as a table, one phase a line: measured (ms), predicted (ms), share of the step."""
+    measured, predicted = report.get("measured") or {}, report.get("predicted") or {}
+    if not measured:
+        return "no training step measured yet"
+    step = measured.get("step") or 0.0
+    lines = [f"step time by phase (mean of {report['steps']} step(s), "
+             f"{measured.get('micro_batches', 1):.0f} micro-batch(es) each)",
+             f"  {'phase':<22}{'measured ms':>12}{'predicted ms':>14}{'of step':>9}"]
+    for phase in PHASES:
+        value = measured.get(phase, 0.0)
+        if not value and phase not in ("step", "forward_backward"):
+            continue
+        guess = predicted.get(phase)
+        guess_text = f"{guess * 1e3:>14.2f}" if guess is not None else f"{'-':>14}"
+        share = f"{value / step:>8.0%}" if step else ""
+        lines.append(f"  {phase:<22}{value * 1e3:>12.2f}{guess_text}{share}")
+    return "\n".join(lines)
