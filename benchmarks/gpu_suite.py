@@ -256,6 +256,23 @@ def summary_lines(results: dict) -> list[str]:
     for row in results.get("fidelity", []):
         lines.append(f"fidelity {row['section']:11s} peak measured/predicted {row['peak_ratio'] or 0:.2f}, "
                      f"step {row['step_ratio'] or 0:.2f}  ({row['peak_source']})")
+    lines += breakdown_lines(results)
+    return lines
+
+
+def breakdown_lines(results: dict) -> list[str]:
+    """Each hf_elixir run's measured step by phase beside its plan's prediction
+    (``ElixirModule.time_report()``, runtime/timing.py)."""
+    from hf_elixir.runtime.timing import format_report
+
+    runs = [(section, results.get(section, {}).get("hf_elixir", {})) for section in ("offload_24g", "mfu")]
+    runs += [("scale", r) for r in results.get("scale", {}).get("tried", [])]
+    lines = []
+    for section, r in runs:
+        report = r.get("time_report")
+        if r.get("status") == "ok" and report:
+            lines.append(f"breakdown {section} {r.get('model')}:")
+            lines += ["  " + line for line in format_report(report).splitlines()]
     return lines
 
 

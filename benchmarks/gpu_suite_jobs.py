@@ -141,8 +141,9 @@ def setup_hf_elixir(model, job: dict, device: torch.device) -> tuple[Callable, d
 
     def info() -> dict:
         report = em.memory_report()
+        # the warm-up step records the trace: the breakdown is the mean of the timed steps
         return {"memory_report": {k: report[k] for k in ("peak", "peak_total", "current_total")},
-                "cache_stats": report["cache_stats"]}
+                "cache_stats": report["cache_stats"], "time_report": em.time_report()}
 
     return elixir_step(em, opt), {"optimizer": "ElixirOptimizer (torch AdamW kernels)", "info": info}
 
