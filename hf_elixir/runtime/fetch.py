@@ -15,6 +15,7 @@ import torch
 
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState
+from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.timing import StepClock
 from hf_elixir.vocab import HfElixirError
@@ -33,8 +34,11 @@ class Fetcher:
         prefetch_depth: int,
         placeholder: torch.Tensor,
         clock: Optional[StepClock] = None,
+        host_updates: Optional[HostUpdates] = None,
     ) -> None:
         self.chunks = chunks
+        #: a chunk still updating on the host thread is waited for before its first use
+        self.host_updates = host_updates
         #: charged with the time a fetch waits for gathers (none is marked on a cache hit)
         self.clock = clock
         self.cache = cache
@@ -58,7 +62,10 @@ class Fetcher:
 
     def _fetch(self, cids: Sequence[int], pinned: list[int]) -> None:
         start = None  # marked at the first chunk this fetch must wait for
+        updates = self.host_updates
         for cid in cids:
+            if updates is not None and cid in updates.awaiting:
+                updates.wait(cid)
             self.cache.note_request(cid)
             chunk = self.chunks[cid]
             if chunk.state is not ChunkState.GATHERED and start is None and self.clock is not None:
@@ -172,8 +179,11 @@ class Fetcher:
     def prefetch(self) -> None:
         """Start async gathers for the next chunks of the trace, evicting only chunks whose
         next use comes later than the prefetched one's."""
-        # an in-place chunk costs nothing to "gather" now: no block, no copy
-        ready = lambda cid: self.chunks[cid].state is not ChunkState.RELEASED or self.chunks[cid].in_place  # noqa: E731
+        # an in-place chunk costs nothing to "gather" now: no block, no copy; one whose host
+        # update the main thread has not waited for yet is gathered when first used
+        awaiting = self.host_updates.awaiting if self.host_updates is not None else ()
+        ready = lambda cid: (self.chunks[cid].state is not ChunkState.RELEASED or self.chunks[cid].in_place  # noqa: E731
+                             or cid in awaiting)
         for cid, pos in self.cache.upcoming(self.prefetch_depth, ready):
             chunk = self.chunks[cid]
             if not chunk.has_block:

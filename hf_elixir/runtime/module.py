@@ -26,6 +26,7 @@ from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.devices import move_to_device, pinned_pool, resolve_device
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager, in_backward
+from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.recovery import Recovery, Replanner, adopt_plan
@@ -122,9 +123,12 @@ class ElixirModule(nn.Module):
         self.clock = StepClock(self.device)
         #: threads the optimizer's element-wise host work runs on (runtime/threads.py)
         self.host_threads = host_threads()
+        #: host-state updates running behind the next forward (runtime/host_update.py)
+        self.host_updates = HostUpdates(self.host_threads if self.device.type == "cuda" else None)
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder,
-                               clock=self.clock)
-        self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots), clock=self.clock)
+                               clock=self.clock, host_updates=self.host_updates)
+        self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots), clock=self.clock,
+                                   host_updates=self.host_updates)
         self.hooks = HookManager(
             root=model,
             units=self._fetch_units(),
@@ -319,7 +323,9 @@ class ElixirModule(nn.Module):
         start = self.clock.now()
         super().zero_grad(set_to_none=set_to_none)
         for chunk in self.chunks:
-            chunk.grad_shard.zero_()
+            # a chunk still updating on the host thread clears its own, right after
+            if not self.host_updates.zero_after(chunk.index):
+                chunk.grad_shard.zero_()
         self.reducer.clear_seen()
         self.clock.host_phase("zero_grad", start)
 
@@ -327,6 +333,7 @@ class ElixirModule(nn.Module):
         """Wait for gathers still in flight (the prefetch started after each optimizer step).
         A process that exits while a collective runs in the communication thread aborts
         ("terminate called without an active exception"), so this runs at exit too."""
+        self.host_updates.wait_all()
         for chunk in self.chunks:
             if chunk.state is ChunkState.GATHERING:
                 chunk.finish_gather()
@@ -347,6 +354,7 @@ class ElixirModule(nn.Module):
         """Drop every gathered chunk (called before an optimizer step or a load changes the
         shards), and every hold of a read outside the modules. ``keep_frozen``: frozen
         chunks, which no step changes, stay gathered."""
+        self.host_updates.wait_all()  # an update still running may be writing the shards
         self.hooks.drop_holds()
         self.fetcher.release_all(keep_frozen=keep_frozen)
 
@@ -457,6 +465,7 @@ class ElixirModule(nn.Module):
 
     def _gathered_chunk(self, chunk: Chunk) -> torch.Tensor:
         """The full fp32 values of one chunk (from the master shards), gathered collectively."""
+        self.host_updates.wait_all()
         full = torch.empty(chunk.size, dtype=torch.float32, device=self.device)
         self.ledger.add("temporary", full.numel() * 4)
         try:

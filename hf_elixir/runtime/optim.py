@@ -48,9 +48,13 @@ def _fused_ok(device: torch.device) -> bool:
 
 
 class ElixirOptimizer(Optimizer):
-    """Wraps ``optimizer`` (built over the original model's parameters) for ``module``."""
+    """Wraps ``optimizer`` (built over the original model's parameters) for ``module``.
 
-    def __init__(self, module: ElixirModule, optimizer: Optimizer) -> None:
+    ``overlap_host``: update the chunks whose optimizer state the plan keeps on the host on
+    a background thread, behind the next forward (runtime/host_update.py); False updates
+    them inside ``step()``. The weights are the same either way."""
+
+    def __init__(self, module: ElixirModule, optimizer: Optimizer, overlap_host: bool = True) -> None:
         if not isinstance(module, ElixirModule):
             raise TypeError(f"module must be an ElixirModule, got {type(module).__name__}")
         if not isinstance(optimizer, Optimizer):
@@ -87,6 +91,10 @@ class ElixirOptimizer(Optimizer):
             DynamicLossScaler() if needs_loss_scaling(module.dtype) else None
         )
         self._grads_unscaled = False
+        self.overlap_host = overlap_host
+        #: chunks whose state the plan keeps on the host: updated behind the next forward
+        self.host_chunks = frozenset(i for i, c in enumerate(module.plan.chunks)
+                                     if c.optim_placement == "cpu" and not c.frozen)
         self._build_state()
 
     # ------------------------------------------------------------------ state
@@ -181,6 +189,7 @@ class ElixirOptimizer(Optimizer):
             return torch.tensor(float("nan"))
         clock = self.module.clock
         start = clock.now()
+        self.module.host_updates.wait_all()  # every gradient shard is read
         total = self._clip(max_norm, norm_type)
         clock.host_phase("clip", start)
         return total
@@ -228,6 +237,7 @@ class ElixirOptimizer(Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """Full (unsharded) state in torch.optim's own format, keyed like the user's optimizer
         would key it; collective: call on every rank."""
+        self.module.host_updates.wait_all()
         steps = self._global_steps()
         names = self.state_names
         full_state: dict[int, dict[str, torch.Tensor]] = {}
@@ -262,6 +272,7 @@ class ElixirOptimizer(Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state_dict from ``state_dict()`` (or from the plain torch optimizer of the same
         unsharded model). Everything is checked before anything changes."""
+        self.module.host_updates.wait_all()
         groups = state_dict.get("param_groups")
         if groups is None or "state" not in state_dict:
             raise ValueError("not an optimizer state_dict: it needs 'state' and 'param_groups'")
@@ -335,6 +346,7 @@ class ElixirOptimizer(Optimizer):
         recovery = self.module.recovery
         clock = self.module.clock
         start = clock.now()
+        self.module.host_updates.wait_all()  # the last step's, if a step follows a step at once
         active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
         clock.host_phase("optimizer_other", start)
         while failed:  # a rank ran out of memory in this step: re-plan, redo, then update
@@ -357,7 +369,7 @@ class ElixirOptimizer(Optimizer):
                 self.module.comm.counter.steps += 1
                 recovery.stepped()
                 clock.host_phase("optimizer_other", start)
-                clock.end_step()
+                clock.end_step(self.module.host_updates.take_seconds())
                 return loss
         # gathered views of the old shards are dropped and every copy reading host shards is
         # finished before any shard changes (frozen chunks cannot change: they stay gathered)
@@ -369,9 +381,10 @@ class ElixirOptimizer(Optimizer):
         for chunk, state in zip(self.module.chunks, self.flat_state):
             if chunk.frozen:
                 continue
-            # a staged chunk (host optimizer, CUDA device) is updated on its own, so its
-            # upload overlaps the update of the next one
-            key_chunk = chunk.index if chunk.uploads_from_staging else -1
+            # a chunk whose state is on the host is updated on its own: behind the next
+            # forward, or (a staged chunk, CUDA device) so that its upload overlaps the
+            # update of the next one
+            key_chunk = chunk.index if chunk.uploads_from_staging or chunk.index in self.host_chunks else -1
             for slot, begin, end, _ in chunk.local_slices():
                 if not active[slot.index] or slot.index not in self.group_of_slot:
                     continue
@@ -401,7 +414,7 @@ class ElixirOptimizer(Optimizer):
         self.module.comm.counter.steps += 1
         recovery.stepped()
         clock.host_phase("optimizer_other", start)
-        clock.end_step()
+        clock.end_step(self.module.host_updates.take_seconds())
         return loss
 
     def _update_all(self, order: list[tuple], batches: dict[tuple, dict[str, list]],
@@ -411,7 +424,11 @@ class ElixirOptimizer(Optimizer):
         on the compute stream (``device_optimizer``), those on the host on the host
         (``cpu_optimizer``); publishing is ``host_copies``."""
         clock = self.module.clock
-        host_state = {i for i, c in enumerate(self.module.plan.chunks) if c.optim_placement == "cpu"}
+        host_state = self.host_chunks
+        if self.overlap_host:  # their updates go behind the next forward, in its order
+            background = [key for key in order if key[0] in host_state]
+            order = [key for key in order if key[0] not in host_state]
+            self._start_background(background, batches, readers_done)
         for i, key in enumerate(order):
             if key[0] in host_state or (key[0] < 0 and key[2] != self.module.device):
                 start = clock.now()
@@ -431,6 +448,30 @@ class ElixirOptimizer(Optimizer):
             if not chunk.uploads_from_staging:
                 self._publish(chunk, readers_done)
         clock.host_phase("host_copies", start)
+
+    def _start_background(self, keys: list[tuple], batches: dict[tuple, dict[str, list]],
+                          readers_done: Optional[torch.cuda.Event]) -> None:
+        """Queue the host-state chunks' updates (``keys``, one or more per chunk: one per
+        parameter group) on the host thread, in the order the next forward first uses
+        them (the recorded trace; index order before there is one)."""
+        trace = self.module.cache.trace
+        first_use: dict[int, int] = {}
+        for pos, cid in enumerate(trace.order if trace is not None else ()):
+            first_use.setdefault(cid, pos)
+        by_chunk: dict[int, list[tuple]] = defaultdict(list)
+        for key in keys:
+            by_chunk[key[0]].append(key)
+        chunks = self.module.chunks
+
+        def update(cid: int) -> Callable[[], None]:
+            return lambda: [self._update(self.param_groups[k[1]], k[2], batches[k]) for k in by_chunk[cid]]
+
+        def publish(cid: int) -> Callable[[], None]:
+            return lambda: self._publish(chunks[cid], readers_done)
+
+        jobs = [(cid, update(cid), publish(cid))
+                for cid in sorted(by_chunk, key=lambda c: (first_use.get(c, len(first_use) + c), c))]
+        self.module.host_updates.start(jobs, zero=lambda cid: chunks[cid].grad_shard.zero_())
 
     @staticmethod
     def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event]) -> None:

@@ -30,6 +30,7 @@ from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
 from hf_elixir.planner.packing import adopts_gradient
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
+from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.schedule import END_BACKWARD
 from hf_elixir.runtime.timing import StepClock
@@ -47,8 +48,11 @@ class GradReducer:
         n_slots: int,
         max_in_flight: int = REDUCTIONS_IN_FLIGHT,
         clock: Optional[StepClock] = None,
+        host_updates: Optional[HostUpdates] = None,
     ) -> None:
         self.chunks = chunks
+        #: a gradient for a chunk still updating on the host thread waits for that update
+        self.host_updates = host_updates
         #: charged with the waits for reductions and downloads, told where each backward ends
         self.clock = clock
         self.trainable = [c for c in chunks if not c.frozen]
@@ -69,7 +73,13 @@ class GradReducer:
         self.agreed = HEALTHY
 
     # ------------------------------------------------------------------ during backward
+    def _settled(self, chunk: Chunk) -> None:
+        """Wait for the chunk's host update if it still runs (it reads the gradient shard)."""
+        if self.host_updates is not None and chunk.index in self.host_updates.awaiting:
+            self.host_updates.wait(chunk.index)
+
     def on_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
+        self._settled(chunk)
         self.seen[slot.index] = 1
         if chunk.direct_grads:
             chunk.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
@@ -108,6 +118,7 @@ class GradReducer:
             self.next -= 1
 
     def _reduce(self, chunk: Chunk) -> None:
+        self._settled(chunk)  # a chunk no module used this pass was never waited for
         if chunk.direct_grads:  # already in the shard
             chunk.reduced = True
             return

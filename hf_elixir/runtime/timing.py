@@ -21,6 +21,10 @@ Phases carry the planner's names (``plan.predictions["time"]``, ``planner/search
   the plan put on the device / on the host.
 - ``host_copies``: publishing updated weights: the compute-dtype copies of master shards
   (casts into staging buffers on a GPU) and their uploads' start.
+- ``background``: the part of ``cpu_optimizer`` and ``host_copies`` done on the host
+  update thread (runtime/host_update.py) while the main thread went on; ``exposed_cpu`` the
+  time the main thread waited for it, and ``overlap`` the rest: host work hidden behind
+  the next forward. The thread's work is charged to the step in which it ends.
 - ``optimizer_other``: the rest of ``step()`` (the agreement on which parameters had
   gradients, dropping gathered chunks, starting the next pass's prefetch).
 - ``zero_grad``: clearing the gradient shards (a pass over them; a script calls it between
@@ -41,9 +45,10 @@ import torch
 
 #: the phases of a step, in the order a report lists them
 PHASES = ("forward_backward", "compute", "exposed_communication", "pcie", "clip", "device_optimizer",
-          "cpu_optimizer", "host_copies", "optimizer_other", "zero_grad", "outside", "step")
-#: the phases that together make up a step (``compute`` and ``exposed_communication`` split
-#: ``forward_backward``; ``outside`` is the remainder)
+          "cpu_optimizer", "host_copies", "background", "exposed_cpu", "overlap", "optimizer_other", "zero_grad",
+          "outside", "step")
+#: the phases that together make up a step, less ``background`` (``compute`` and
+#: ``exposed_communication`` split ``forward_backward``; ``outside`` is the remainder)
 PARTS = ("forward_backward", "pcie", "clip", "device_optimizer", "cpu_optimizer", "host_copies",
          "optimizer_other", "zero_grad")
 #: steps whose breakdowns are kept for the report
@@ -119,12 +124,15 @@ class StepClock:
         host = self._open.host if self._open is not None else self._carry
         host[phase] = host.get(phase, 0.0) + time.perf_counter() - start
 
-    def end_step(self) -> None:
-        """The optimizer step is over: close the step (read on a later report)."""
+    def end_step(self, background: Optional[dict[str, float]] = None) -> None:
+        """The optimizer step is over: close the step (read on a later report).
+        ``background``: seconds by phase of work on other threads that ended meanwhile."""
         step = self._open
         if step is None:
             return
         self._open = None
+        for phase, seconds in (background or {}).items():
+            step.host[phase] = step.host.get(phase, 0.0) + seconds
         self._interval(step, "step", step.start, self.mark())
         self._pending.append(step)
         self._resolve(wait=False)
@@ -166,11 +174,19 @@ class StepClock:
 
 
 def _breakdown(seconds: dict[str, float], micro_batches: int) -> dict[str, float]:
-    out = {phase: seconds.get(phase, 0.0) for phase in PHASES if phase not in ("compute", "outside")}
-    out["compute"] = max(0.0, out["forward_backward"] - out["exposed_communication"])
-    out["outside"] = max(0.0, out["step"] - sum(out[p] for p in PARTS))
+    derived = ("compute", "overlap", "outside")
+    out = {phase: seconds.get(phase, 0.0) for phase in PHASES if phase not in derived}
+    stalled = out["exposed_communication"] + seconds.get("exposed_cpu_in_passes", 0.0)
+    out["compute"] = max(0.0, out["forward_backward"] - stalled)
+    out["overlap"] = max(0.0, out["background"] - out["exposed_cpu"])
+    out["outside"] = max(0.0, out["step"] - main_thread(out))
     out["micro_batches"] = float(micro_batches)
     return out
+
+
+def main_thread(step: dict[str, float]) -> float:
+    """The seconds of a step's phases spent on the main thread (what adds up to its wall)."""
+    return sum(step[p] for p in PARTS) - step.get("background", 0.0)
 
 
 def summarize(steps: list[dict[str, float]], predicted: Optional[dict[str, float]] = None,

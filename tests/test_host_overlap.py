@@ -1,0 +1,91 @@
+"""The host's optimizer updates run behind the next forward (runtime/host_update.py).
+
+On a CPU device at world size 1, half of the chunks keep their optimizer state "on the
+host" (the plan's placement; on a CPU the same memory, updated on the host thread all the
+same). Each rank runs in a process of its own, torch on 2 threads.
+
+- The overlap is shown, not inferred from timings: each update on the host thread waits
+  until the next forward has begun (a hook on the first module sets an event). Were the
+  forward to wait for the updates first, they would wait in vain and the test fail.
+- The weights after training equal, bit for bit, those of the same run with the updates
+  inside ``step()`` (``overlap_host=False``), in fp32 and in bf16.
+- The breakdown reports the overlap: host work that ran while the main thread went on.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+import hf_elixir as hfe
+from harness import run_distributed
+
+STEPS = 4
+
+
+def _train(rank: int, world_size: int, overlap: bool, dtype: str, accumulate: int = 1) -> dict:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=4, n_head=4,
+                                       bos_token_id=0, eos_token_id=0))
+    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 15, offload_fraction=0.5, compute_dtype=dtype)
+    emodel = hfe.ElixirModule(model, plan)
+    opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-2), overlap_host=overlap)
+    forward_began = threading.Event()
+    model.transformer.wte.register_forward_pre_hook(lambda *_: forward_began.set())
+    waits: list[bool] = []
+    update = opt._update
+
+    def update_after_the_forward_began(*args, **kwargs):
+        if threading.current_thread().name == "hf_elixir_host_update":
+            waits.append(forward_began.wait(timeout=20))
+        return update(*args, **kwargs)
+
+    opt._update = update_after_the_forward_began
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(STEPS):
+        batches = [torch.randint(0, 256, (2, 32), generator=g) for _ in range(accumulate)]
+        for ids in batches:
+            opt.backward(emodel(input_ids=ids, labels=ids).loss / accumulate)
+        opt.clip_grad_norm_(1.0)
+        forward_began.clear()  # the updates this step queues wait for the next forward
+        opt.step()
+        opt.zero_grad()
+    forward_began.set()  # no forward follows the last step: release its updates
+    state = emodel.state_dict()  # waits for them
+    return {"state": state, "waits": waits, "report": emodel.time_report(), "optimizer": opt.state_dict(),
+            "host_chunks": len(opt.host_chunks)}
+
+
+def test_the_next_forward_runs_while_the_host_updates_and_the_weights_are_the_same() -> None:
+    for dtype in ("float32", "bfloat16"):
+        overlapped, = run_distributed(_train, 1, True, dtype)
+        inline, = run_distributed(_train, 1, False, dtype)
+        assert overlapped["host_chunks"] >= 2
+        # each step's host chunks were updated on the thread, and each update went on only
+        # once the next forward had begun
+        assert overlapped["waits"] == [True] * STEPS * overlapped["host_chunks"]
+        assert inline["waits"] == []  # updated inside step(): nothing ran on the thread
+        for name, value in inline["state"].items():
+            assert torch.equal(overlapped["state"][name], value), (dtype, name)
+        for index, entry in inline["optimizer"]["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(overlapped["optimizer"]["state"][index][key], value), (dtype, index, key)
+        measured = overlapped["report"]["measured"]
+        assert measured["background"] > 0 and measured["overlap"] > 0
+        assert measured["overlap"] == measured["background"] - measured["exposed_cpu"]
+        assert inline["report"]["measured"]["background"] == 0 and inline["report"]["measured"]["cpu_optimizer"] > 0
+
+
+def test_two_ranks_with_accumulation_train_as_without_the_thread() -> None:
+    """World size 2 (gathers and reductions between real processes) with two micro-batches
+    a step: the next pass fetches and reduces chunks while the host thread still updates
+    others, and the weights are those of the run without it."""
+    overlapped = run_distributed(_train, 2, True, "float32", 2)
+    inline = run_distributed(_train, 2, False, "float32", 2)
+    for a, b in zip(overlapped, inline):
+        for name, value in b["state"].items():
+            assert torch.equal(a["state"][name], value), name
