@@ -33,7 +33,11 @@ def _train(rank: int, world_size: int, overlap: bool, dtype: str, accumulate: in
                                        bos_token_id=0, eos_token_id=0))
     plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 15, offload_fraction=0.5, compute_dtype=dtype)
     emodel = hfe.ElixirModule(model, plan)
-    opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-2), overlap_host=overlap)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    # the learning rate changes every step, as soon as step() returns: the updates still
+    # running on the thread must use the step's own
+    scheduler = torch.optim.lr_scheduler.LambdaLR(inner, lambda step: 1.0 / (1 + step))
+    opt = hfe.ElixirOptimizer(emodel, inner, overlap_host=overlap)
     forward_began = threading.Event()
     model.transformer.wte.register_forward_pre_hook(lambda *_: forward_began.set())
     waits: list[bool] = []
@@ -53,6 +57,7 @@ def _train(rank: int, world_size: int, overlap: bool, dtype: str, accumulate: in
         opt.clip_grad_norm_(1.0)
         forward_began.clear()  # the updates this step queues wait for the next forward
         opt.step()
+        scheduler.step()
         opt.zero_grad()
     forward_began.set()  # no forward follows the last step: release its updates
     state = emodel.state_dict()  # waits for them

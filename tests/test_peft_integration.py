@@ -160,6 +160,12 @@ def test_pinned_plan_gathers_frozen_chunks_again_within_the_rcache(trainer_runs)
     # a pinned plan predicts no throughput; the measured one comes from the batch shape
     measured = re.search(r"hf_elixir throughput: ([\d,]+) tokens/s measured", proc.stdout)
     assert measured and int(measured.group(1).replace(",", "")) > 0, proc.stdout[-2000:]
+    # below it, rank 0's step breakdown (a pinned plan: no predicted column)
+    breakdown = proc.stdout[measured.end():]
+    assert breakdown.count("step time by phase (mean of") == 1, proc.stdout[-2000:]
+    rows = {line.split()[0]: line.split() for line in breakdown.splitlines()[2:] if line.startswith("  ")}
+    assert float(rows["forward_backward"][1]) > 0 and rows["forward_backward"][2] == "-"
+    assert float(rows["step"][1]) >= float(rows["forward_backward"][1])
 
 
 @pytest.mark.parametrize("arch", list(TARGETS))

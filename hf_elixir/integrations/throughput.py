@@ -5,7 +5,8 @@ the optimizer's share after it. A Trainer step with gradient accumulation ``a`` 
 forward-backward passes and one optimizer step, so its prediction is
 ``a * forward_backward + (step - forward_backward)``. The measurement is the median time
 between the Trainer's ``on_step_begin`` and ``on_step_end`` over the steady steps (the first
-few record the fetch trace and are left out).
+few record the fetch trace and are left out). Below the line, rank 0 prints where its steps
+spent their time, phase by phase beside the plan's prediction (``ElixirModule.time_report``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from transformers import TrainerCallback
+
+from hf_elixir.runtime.timing import format_report
 
 #: steps left out at the start: the first pass records the fetch trace, the next warm caches
 WARMUP_STEPS = 2
@@ -57,11 +60,13 @@ class ThroughputCallback(TrainerCallback):
     """Times Trainer steps and, at the end of training, compares them with the plan.
 
     ``plan_of`` returns the running plan (None when hf_elixir is off); ``tokens_per_step``
-    the tokens one optimizer step consumes on all ranks together.
+    the tokens one optimizer step consumes on all ranks together; ``time_report_of`` the
+    runtime's step breakdown (None: not printed).
     """
 
     plan_of: Callable[[], object] = None
     tokens_per_step: Callable[[], int] = None
+    time_report_of: Optional[Callable[[], Optional[dict]]] = None
     report: Optional[ThroughputReport] = None
     _times: list[float] = field(default_factory=list)
     _start: float = 0.0
@@ -88,3 +93,6 @@ class ThroughputCallback(TrainerCallback):
             median_step_s=median, steps=len(self._times))
         if state.is_world_process_zero:
             print(self.report.line(), flush=True)
+            report = self.time_report_of() if self.time_report_of else None
+            if report is not None:
+                print(format_report(report), flush=True)

@@ -91,12 +91,17 @@ class ElixirTrainer(Trainer):
         self._elixir_plugin = _plugin_for(args)
         super().__init__(model, args, *rest, **kwargs)
         if self.is_elixir:
-            self.throughput = ThroughputCallback(plan_of=self._running_plan, tokens_per_step=self._tokens_per_step)
+            self.throughput = ThroughputCallback(plan_of=self._running_plan, tokens_per_step=self._tokens_per_step,
+                                                 time_report_of=self._time_report)
             self.add_callback(self.throughput)
 
     def _running_plan(self):
         module = self._elixir_module()
         return module.plan if module is not None else None
+
+    def _time_report(self) -> Optional[dict]:
+        module = self._elixir_module()
+        return module.time_report() if module is not None else None
 
     def _tokens_per_step(self) -> int:
         """Tokens one optimizer step consumes on every rank: the shape of the first training

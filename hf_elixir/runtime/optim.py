@@ -47,6 +47,12 @@ def _fused_ok(device: torch.device) -> bool:
     return device.type in ("cpu", "cuda")
 
 
+def _frozen_group(group: dict) -> dict:
+    """A param group's hyperparameters as they are now (tensors copied: a scheduler may set
+    a tensor learning rate in place)."""
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in group.items() if k != "params"}
+
+
 class ElixirOptimizer(Optimizer):
     """Wraps ``optimizer`` (built over the original model's parameters) for ``module``.
 
@@ -462,9 +468,12 @@ class ElixirOptimizer(Optimizer):
         for key in keys:
             by_chunk[key[0]].append(key)
         chunks = self.module.chunks
+        # the hyperparameters of this step: an LR scheduler stepped after step() returns
+        # changes the groups while the thread still works
+        groups = [_frozen_group(g) for g in self.param_groups]
 
         def update(cid: int) -> Callable[[], None]:
-            return lambda: [self._update(self.param_groups[k[1]], k[2], batches[k]) for k in by_chunk[cid]]
+            return lambda: [self._update(groups[k[1]], k[2], batches[k]) for k in by_chunk[cid]]
 
         def publish(cid: int) -> Callable[[], None]:
             return lambda: self._publish(chunks[cid], readers_done)
