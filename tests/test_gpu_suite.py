@@ -60,3 +60,11 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert len(recovery["events"]) == 1 and recovery["events"][0]["change"]
     assert len(recovery["step_times_s"]) == 6 and recovery["tokens_per_s_after"] > 0
     assert "recovery" in proc.stdout
+
+    # each hf_elixir run's step breakdown, measured beside predicted, in the JSON and printed
+    for name, r in (("offload_24g", data["offload_24g"]["hf_elixir"]), ("mfu", data["mfu"]["hf_elixir"])):
+        report = r["time_report"]
+        assert report["steps"] >= 2 and report["measured"]["step"] > 0, name
+        assert report["predicted"]["step"] > 0 and set(report["predicted"]) - {"collectives"} <= set(report["measured"]), name
+        assert f"breakdown {name} {r['model']}:" in proc.stdout
+    assert proc.stdout.count("step time by phase (mean of") == 2 + len(scale["tried"])

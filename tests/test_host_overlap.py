@@ -94,3 +94,40 @@ def test_two_ranks_with_accumulation_train_as_without_the_thread() -> None:
     for a, b in zip(overlapped, inline):
         for name, value in b["state"].items():
             assert torch.equal(a["state"][name], value), name
+
+
+def _saved_right_after_a_step(rank: int, world_size: int, overlap: bool, directory: str) -> dict:
+    """Train 2 steps and save a checkpoint as soon as ``step()`` returns, with the host
+    thread slowed (each update starts 50 ms late): a reader that did not wait for it would
+    save half-updated state. Returns the exported weights."""
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    import hf_elixir.checkpoint as ck
+    from hf_elixir.runtime import host_update
+
+    run_jobs = host_update.HostUpdates._run
+
+    def late(self, jobs):
+        return run_jobs(self, [(cid, (lambda u=u: (time.sleep(0.05), u())), p) for cid, u, p in jobs])
+
+    host_update.HostUpdates._run = late
+    from ckpt_common import Run
+
+    run = Run(rank, world_size, arch="llama", plan_kwargs=dict(chunk_size=16384, offload_fraction=0.5))
+    run.eopt.overlap_host = overlap
+    run.steps(2)
+    out = Path(directory) / ("overlap" if overlap else "inline")
+    ck.save(run.emodel, run.eopt, out / "ck")
+    ck.export(out / "ck", out / "hf")
+    return {name: value for f in sorted((out / "hf").glob("*.safetensors")) for name, value in load_file(f).items()}
+
+
+def test_a_checkpoint_saved_right_after_a_step_holds_that_steps_weights(tmp_path) -> None:
+    overlapped, = run_distributed(_saved_right_after_a_step, 1, True, str(tmp_path))
+    inline, = run_distributed(_saved_right_after_a_step, 1, False, str(tmp_path))
+    assert overlapped.keys() == inline.keys() and inline
+    for name, value in inline.items():
+        assert torch.equal(overlapped[name], value), name

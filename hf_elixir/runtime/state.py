@@ -13,6 +13,9 @@ model's own weights, so they appear as local slices only when asked for.
 Writing master values through these views changes only the fp32 copy; ``publish_masters``
 then refreshes the compute-dtype shards the forward reads, and ``release_all`` drops any
 gathered copies, as a load must before and after it writes.
+
+Every function that hands out or reads state first waits for host updates still running
+behind the last step (runtime/host_update.py): a view taken then would see them half done.
 """
 
 from __future__ import annotations
@@ -88,6 +91,7 @@ def local_slices(emodel: ElixirModule, eoptimizer: Optional[ElixirOptimizer] = N
                  frozen: bool = False) -> list[LocalSlice]:
     """The slices this rank holds of trainable parameters (and of frozen ones with
     ``frozen=True``), with their optimizer state views when ``eoptimizer`` is given."""
+    emodel.host_updates.wait_all()
     out = []
     states = eoptimizer.flat_state if eoptimizer is not None else [{} for _ in emodel.chunks]
     for chunk, flat in zip(emodel.chunks, states):
@@ -131,6 +135,7 @@ def wrapped_module(emodel: ElixirModule) -> nn.Module:
 
 def publish_masters(emodel: ElixirModule) -> None:
     """After fp32 master values were written: refresh the compute-dtype shards from them."""
+    emodel.host_updates.wait_all()
     for chunk in emodel.chunks:
         if not chunk.master_aliased:
             chunk.shard.copy_(chunk.master)
@@ -167,6 +172,7 @@ def _local_trainable(eoptimizer: ElixirOptimizer) -> Iterator[tuple[str, int]]:
 
 def read_counters(eoptimizer: ElixirOptimizer) -> OptimizerCounters:
     """The counters of the parameters this rank holds a slice of."""
+    eoptimizer.module.host_updates.wait_all()
     out = OptimizerCounters()
     for name, index in _local_trainable(eoptimizer):
         out.steps[name] = float(eoptimizer.steps[index])
@@ -177,11 +183,13 @@ def read_counters(eoptimizer: ElixirOptimizer) -> OptimizerCounters:
 
 def step_tensor(eoptimizer: ElixirOptimizer, slot: int) -> torch.Tensor:
     """One parameter's step count as a 0-d fp32 host tensor (what a checkpoint stores)."""
+    eoptimizer.module.host_updates.wait_all()
     return eoptimizer.steps[slot].detach().float().cpu().reshape(())
 
 
 def write_counters(eoptimizer: ElixirOptimizer, counters: OptimizerCounters) -> None:
     """Set the counters of the parameters this rank holds; a parameter not named starts afresh."""
+    eoptimizer.module.host_updates.wait_all()
     for name, index in _local_trainable(eoptimizer):
         eoptimizer.steps[index].fill_(counters.steps.get(name, 0.0))
         eoptimizer.set_momentum_started(index, name in counters.momentum_started)
