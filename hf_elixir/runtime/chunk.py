@@ -202,18 +202,26 @@ class Chunk:
             if event is not None:
                 event.synchronize()
 
-    def upload_from_staging(self, readers_done: torch.cuda.Event) -> None:
+    def upload_from_staging(self, readers_done: torch.cuda.Event, count: bool = True) -> None:
         """Copy the staging buffer (the updated shard, cast on the host) into the device
         shard on the copy stream, once ``readers_done`` (recorded on the compute stream
         after the last gather that read the old shard) has passed. Gathers wait for the
         upload on the device (``wait_upload``), the host before it rewrites the staging
-        buffer (``fence_host``)."""
+        buffer (``fence_host``). ``count=False``: the caller counted the bytes already (an
+        upload issued on the host update thread is counted when the step queues it, so that
+        a step's count is in that step's window and never raced)."""
         stream = self.copy_stream
         stream.wait_event(readers_done)
-        self.comm.counter.add("host_to_device", self.staging.numel() * self.staging.element_size())
+        if count:
+            self.comm.counter.add("host_to_device", self.upload_bytes)
         with torch.cuda.stream(stream):
             self.shard.copy_(self.staging, non_blocking=True)
             self.upload_event = _record(stream)
+
+    @property
+    def upload_bytes(self) -> int:
+        """Bytes one upload from the staging buffer moves."""
+        return self.staging.numel() * self.staging.element_size()
 
     def release(self, placeholder: torch.Tensor) -> None:
         """Parameters become unreadable stand-ins (``released.py``) until the next gather. The

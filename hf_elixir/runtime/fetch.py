@@ -46,6 +46,10 @@ class Fetcher:
         self.prefetch_depth = prefetch_depth
         self.placeholder = placeholder
         self.held: list[int] = []  # chunks pinned for reads outside the modules (hooks.py)
+        #: whether any chunk is gathered by a collective or a copy: with every chunk in place
+        #: (one rank, shards on the device) there is never anything to prefetch, and looking
+        #: ahead in the trace after every fetch was most of the hooks' cost
+        self.prefetches = any(not c.in_place for c in chunks)
         self._warned_over = False
 
     # ------------------------------------------------------------------ public
@@ -179,6 +183,8 @@ class Fetcher:
     def prefetch(self) -> None:
         """Start async gathers for the next chunks of the trace, evicting only chunks whose
         next use comes later than the prefetched one's."""
+        if not self.prefetches:
+            return
         # an in-place chunk costs nothing to "gather" now: no block, no copy; one whose host
         # update the main thread has not waited for yet is gathered when first used
         awaiting = self.host_updates.awaiting if self.host_updates is not None else ()

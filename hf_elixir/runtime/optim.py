@@ -476,22 +476,26 @@ class ElixirOptimizer(Optimizer):
             return lambda: [self._update(groups[k[1]], k[2], batches[k]) for k in by_chunk[cid]]
 
         def publish(cid: int) -> Callable[[], None]:
-            return lambda: self._publish(chunks[cid], readers_done)
+            return lambda: self._publish(chunks[cid], readers_done, counted=True)
 
         jobs = [(cid, update(cid), publish(cid))
                 for cid in sorted(by_chunk, key=lambda c: (first_use.get(c, len(first_use) + c), c))]
+        for cid, _, _ in jobs:  # counted here, in this step's window (chunk.upload_from_staging)
+            if chunks[cid].uploads_from_staging and not chunks[cid].master_aliased:
+                self.module.comm.counter.add("host_to_device", chunks[cid].upload_bytes)
         self.module.host_updates.start(jobs, zero=lambda cid: chunks[cid].grad_shard.zero_())
 
     @staticmethod
-    def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event]) -> None:
-        """Make the compute-dtype shard match the updated master."""
+    def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event], counted: bool = False) -> None:
+        """Make the compute-dtype shard match the updated master. ``counted``: the caller
+        counted the upload's bytes."""
         if chunk.master_aliased:
             return
         if chunk.uploads_from_staging:
             # cast on the host into pinned memory: the compute dtype crosses PCIe, not fp32
             chunk.fence_host()  # the staging buffer's last upload has finished reading it
             chunk.staging.copy_(chunk.master)
-            chunk.upload_from_staging(readers_done)
+            chunk.upload_from_staging(readers_done, count=not counted)
             return
         # a host shard is only read by the copies release_all() waited for; a device shard
         # takes an asynchronous copy, ordered on the compute stream
