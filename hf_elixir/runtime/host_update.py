@@ -20,8 +20,10 @@ update is done:
   queued clear their gradient shards on the thread, right after their update
   (``zero_after``);
 - the next pass does not prefetch a chunk whose update it has not yet waited for
-  (``awaiting``). That set changes only on the main thread, at points every rank reaches in
-  the same order, so every rank issues the same collectives whatever the thread's timing.
+  (``awaiting``). That set starts the same on every rank (every host chunk is queued, with
+  nothing to do on a rank whose shard of it is only padding) and changes only on the main
+  thread, at points every rank reaches in the same order, so every rank issues the same
+  collectives whatever the thread's timing.
 
 No collective runs on the thread: they would interleave with the main thread's in an order
 that differs between ranks.

@@ -464,7 +464,10 @@ class ElixirOptimizer(Optimizer):
         first_use: dict[int, int] = {}
         for pos, cid in enumerate(trace.order if trace is not None else ()):
             first_use.setdefault(cid, pos)
-        by_chunk: dict[int, list[tuple]] = defaultdict(list)
+        # every host chunk is queued, with nothing to do where this rank holds none of its
+        # parameters' elements (its shard is padding): what the next pass may prefetch must
+        # be the same on every rank, or their gathers part ways
+        by_chunk: dict[int, list[tuple]] = {cid: [] for cid in self.host_chunks}
         for key in keys:
             by_chunk[key[0]].append(key)
         chunks = self.module.chunks
@@ -476,12 +479,14 @@ class ElixirOptimizer(Optimizer):
             return lambda: [self._update(groups[k[1]], k[2], batches[k]) for k in by_chunk[cid]]
 
         def publish(cid: int) -> Callable[[], None]:
+            if not by_chunk[cid]:  # nothing updated: nothing to publish (as inside step())
+                return lambda: None
             return lambda: self._publish(chunks[cid], readers_done, counted=True)
 
         jobs = [(cid, update(cid), publish(cid))
                 for cid in sorted(by_chunk, key=lambda c: (first_use.get(c, len(first_use) + c), c))]
         for cid, _, _ in jobs:  # counted here, in this step's window (chunk.upload_from_staging)
-            if chunks[cid].uploads_from_staging and not chunks[cid].master_aliased:
+            if by_chunk[cid] and chunks[cid].uploads_from_staging and not chunks[cid].master_aliased:
                 self.module.comm.counter.add("host_to_device", chunks[cid].upload_bytes)
         self.module.host_updates.start(jobs, zero=lambda cid: chunks[cid].grad_shard.zero_())
 
