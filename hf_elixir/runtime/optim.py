@@ -451,7 +451,9 @@ class ElixirOptimizer(Optimizer):
                 clock.host_phase("host_copies", start)
         start = clock.now()
         for chunk in self.module.chunks:
-            if not chunk.uploads_from_staging:
+            # a host chunk was published after its own update (on the host thread: a copy
+            # here would read its master while the thread writes it)
+            if not chunk.uploads_from_staging and chunk.index not in host_state:
                 self._publish(chunk, readers_done)
         clock.host_phase("host_copies", start)
 
