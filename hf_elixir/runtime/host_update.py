@@ -27,13 +27,20 @@ update is done:
 
 No collective runs on the thread: they would interleave with the main thread's in an order
 that differs between ranks.
+
+A fork (a DataLoader's workers, a script that saves in a child) waits for the thread first:
+a child is a copy of this thread alone, and would otherwise hold state the thread was
+halfway through writing. The wait leaves ``awaiting`` as it is, so a fork on one rank only
+changes no rank's collectives.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
+import weakref
 from typing import Callable, Optional, Sequence
 
 from hf_elixir.runtime.threads import using_threads
@@ -67,6 +74,9 @@ class HostUpdates:
         #: it, since ``take_seconds`` last read them
         self._seconds = dict.fromkeys(("cpu_optimizer", "host_copies", "background", "exposed_cpu",
                                        "exposed_cpu_in_passes"), 0.0)
+        if hasattr(os, "register_at_fork"):
+            ref = weakref.ref(self)  # a hook cannot be removed: it must not keep this alive
+            os.register_at_fork(before=lambda: (lambda live: live and live.finish())(ref()))
 
     @property
     def running(self) -> bool:
@@ -81,8 +91,11 @@ class HostUpdates:
         self._zero = zero
         self._done = {cid: threading.Event() for cid, _, _ in jobs}
         self.awaiting = set(self._done)
+        # not a daemon: the interpreter joins it before it finalizes. A daemon thread still
+        # inside a kernel then would be ended mid-call, and the process abort ("terminate
+        # called without an active exception") after its work was done
         self._thread = threading.Thread(target=self._run, args=(list(jobs),), name="hf_elixir_host_update",
-                                        daemon=True)
+                                        daemon=False)
         self._thread.start()
 
     def _run(self, jobs: list[Job]) -> None:
@@ -139,6 +152,12 @@ class HostUpdates:
             self._seconds["exposed_cpu"] += time.perf_counter() - t0
         self._thread = None
         self._raise()
+
+    def finish(self) -> None:
+        """Block until the thread's work is done, changing nothing else (before a fork)."""
+        thread = self._thread
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+            thread.join()
 
     def zero_after(self, cid: int) -> bool:
         """Ask for chunk ``cid``'s gradient shard to be cleared right after its update. False
