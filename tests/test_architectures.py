@@ -14,8 +14,10 @@ import time
 
 import torch
 
-from arch_configs import causal_lm_types
-from arch_sweep import first_gradients, sweep, twin_gradients
+from arch_configs import SEQ, build_tiny, causal_lm_types, make_ids
+from arch_sweep import (BATCH, CLIP, LR, STEPS, _loss, _train_plain, chunk_size, first_gradients, split_gradients,
+                        sweep, twin_gradients)
+from loops import elixir_steps
 from harness import run_distributed
 
 
@@ -48,9 +50,81 @@ ISSUE_39 = "granitemoehybrid_issue39"  # arch_configs.CASES: the issue's config,
 
 
 def _issue_39(rank: int, world_size: int) -> dict:
-    """One spawned pair: the sweep's comparison of the case, then one backward's gradients."""
+    """One spawned pair: the sweep's comparison of the case, one backward's gradients, and
+    the case trained through hf_elixir with the sweep's plan and with a plan that offloads
+    nothing and caches every chunk."""
     return {"sweep": sweep(rank, world_size, [ISSUE_39])[ISSUE_39],
-            "first": first_gradients(rank, world_size, ISSUE_39)}
+            "first": first_gradients(rank, world_size, ISSUE_39),
+            "plans": {name: _issue_39_elixir(rank, offload, cache_all)
+                      for name, (offload, cache_all) in _ISSUE_39_PLANS.items()}}
+
+
+# the sweep's plan (8 chunks, 2 rCache blocks, half the optimizer state offloaded), and one
+# where fetch order and placement cannot matter: nothing offloaded, every chunk cached
+_ISSUE_39_PLANS = {"sweep": (0.5, False), "resident": (0.0, True)}
+
+
+def _issue_39_elixir(rank: int, offload: float, cache_all: bool) -> dict:
+    """The sweep's hf_elixir training of the case (each rank on its half of the batch) with
+    ``offload`` of the optimizer state on the host and the fewest rCache blocks, or every
+    chunk cached: its losses (averaged over the ranks) and final weights."""
+    import warnings
+
+    import hf_elixir as hfe
+
+    warnings.filterwarnings("ignore")
+    model = build_tiny(ISSUE_39)
+    plan = hfe.ElixirPlan.simple(model, world_size=2, chunk_size=chunk_size(ISSUE_39, model),
+                                 offload_fraction=offload, example_batch=(BATCH // 2, SEQ))
+    plan.rcache_blocks = plan.n_chunks if cache_all else plan.min_rcache_blocks
+    emodel = hfe.ElixirModule(model, plan)
+    eopt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=LR))
+    rows = make_ids(BATCH, SEQ, model_type=ISSUE_39).chunk(2)[rank]
+    losses = elixir_steps(emodel, eopt, [rows] * STEPS, clip=CLIP, loss_fn=_loss)
+    return {"losses": losses, "state": {k: v.detach().clone() for k, v in emodel.state_dict().items()},
+            "blocks": (plan.rcache_blocks, plan.n_chunks)}
+
+
+def _issue_39_model(dtype: torch.dtype) -> torch.nn.Module:
+    """The case's model in ``dtype``; in float64 its experts run their eager loop (grouped_mm
+    has no float64 kernel)."""
+    model = build_tiny(ISSUE_39).to(dtype)
+    if dtype == torch.float64:
+        for module in model.modules():
+            if hasattr(module, "config"):
+                module.config._experts_implementation = "eager"
+    return model
+
+
+def _issue_39_plain(dtype: torch.dtype) -> dict:
+    """Plain PyTorch's training of the case on the whole batch in ``dtype``, on one thread as
+    the ranks run."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        model = _issue_39_model(dtype)
+        losses = _train_plain(model, make_ids(BATCH, SEQ, model_type=ISSUE_39), splits=1)
+    finally:
+        torch.set_num_threads(threads)
+    return {"losses": losses, "state": model.state_dict()}
+
+
+def _gradient_errors(grads: dict, exact: dict) -> dict:
+    """Per parameter: the largest error of ``grads`` against ``exact`` over the largest |exact|."""
+    return {name: ((grads[name].double() - g).abs().max() / (g.abs().max() or 1.0)).item()
+            for name, g in exact.items()}
+
+
+def _issue_39_distance(run: dict, truth: dict) -> tuple[float, str]:
+    """The issue's measure: the worst of the losses' relative differences and of each
+    parameter's largest weight difference over max(0.02, its largest |weight|), and where."""
+    worst = max(abs(a - b) / abs(b) for a, b in zip(run["losses"], truth["losses"]))
+    where = "loss"
+    for name, w in truth["state"].items():
+        d = (run["state"][name].to(w.dtype) - w).abs().max().item() / max(0.02, w.abs().max().item())
+        if d > worst:
+            worst, where = d, name
+    return worst, where
 
 
 @functools.lru_cache(maxsize=None)
@@ -91,3 +165,42 @@ def test_granitemoehybrid_of_issue_39_gradients_are_its_twins_bit_for_bit() -> N
     assert not different, different
     plain = twin_gradients(ISSUE_39, set())
     assert any(not torch.equal(plain[name], twin[name]) for name in twin)
+
+
+def test_granitemoehybrid_of_issue_39_strays_by_rounding_not_a_fault() -> None:
+    """The distance is rounding, shown without the twin. A fault the issue names (a gradient
+    summed twice, an aliasing view, an expert's chunk fetched late) would put some
+    parameter's gradient far off exact, or depend on the plan; neither happens.
+    hf_elixir's first gradients are within float32 rounding of float64's in every parameter
+    (worst 1.1e-6 of the parameter's largest gradient, plain float32 on the split batch
+    1.0e-6; a gradient summed twice or missing is 1.0 off, and Adam, which hardly sees a
+    gradient's scale, would hide it in the weights). It ends on the same bits whether half
+    the optimizer state is offloaded and 2 of the 8 chunks are cached (the sweep's plan) or
+    nothing is offloaded and every chunk stays cached. After the three steps it is no
+    farther from float64 training than plain float32 PyTorch on the whole batch (the
+    reference): 1.09e-4 against 1.12e-4 by the issue's measure. In the embedding weight that
+    dominates that measure, [33, 0], float64 ends at 0.0389771, hf_elixir at 0.0389736 and
+    the float32 reference at 0.0389869: there, the reference is the one farther from exact."""
+    results = _issue_39_results()
+    exact_grads = split_gradients(_issue_39_model(torch.float64),
+                                  make_ids(BATCH, SEQ, model_type=ISSUE_39).chunk(2), _loss)
+    got_errors = _gradient_errors(results["first"]["grads"], exact_grads)
+    plain_errors = _gradient_errors(twin_gradients(ISSUE_39, set()), exact_grads)
+    worst = max(got_errors, key=got_errors.get)
+    print(f"\n  {ISSUE_39} first gradients from float64's: hf_elixir worst {got_errors[worst]:.2e} ({worst}), "
+          f"plain float32 worst {max(plain_errors.values()):.2e}")
+    assert got_errors[worst] <= 4 * max(plain_errors.values()), got_errors
+
+    plans = results["plans"]
+    sweep_run, resident = plans["sweep"], plans["resident"]
+    assert sweep_run["blocks"][0] < sweep_run["blocks"][1] and resident["blocks"][0] == resident["blocks"][1]
+    moved = [name for name in sweep_run["state"]
+             if not torch.equal(sweep_run["state"][name], resident["state"][name])]
+    assert not moved and sweep_run["losses"] == resident["losses"], moved
+
+    exact = _issue_39_plain(torch.float64)
+    got, got_where = _issue_39_distance(sweep_run, exact)
+    ref, ref_where = _issue_39_distance(_issue_39_plain(torch.float32), exact)
+    print(f"  {ISSUE_39} from float64 training: hf_elixir {got:.3e} ({got_where}), "
+          f"plain float32 {ref:.3e} ({ref_where})")
+    assert got <= 1.5 * ref, (got, got_where, ref, ref_where)

@@ -20,7 +20,7 @@ from torch import nn
 from hf_elixir import vocab
 from hf_elixir.planner.summary import summary as _summary
 from hf_elixir.profile.needs import trace_fetch_needs
-from hf_elixir.profile.params import chunked_parameters, detect_fetch_units, model_signature
+from hf_elixir.profile.params import chunk_numel, chunked_parameters, detect_fetch_units, model_signature
 from hf_elixir.vocab import DTYPES, HfElixirError
 
 PLAN_FORMAT_VERSION = 1
@@ -202,8 +202,11 @@ class ElixirPlan:
                 "the model has no floating-point parameters that require gradients, so there is "
                 "nothing to train; unfreeze some (or add an adapter) before planning"
             )
+        # elements as the runtime lays them out: a packed 4-bit weight by its bytes
+        itemsize = DTYPES[canonical_dtype(compute_dtype)].itemsize
+        sizes = {name: chunk_numel(p, itemsize) for name, p in named}
         if chunk_size is None:
-            chunk_size = max(p.numel() for _, p in named)
+            chunk_size = max(sizes.values())
         if chunk_size < 1:
             raise PlanError(f"chunk_size must be >= 1, got {chunk_size}")
         chunk_size = -(-chunk_size // world_size) * world_size
@@ -213,27 +216,26 @@ class ElixirPlan:
         used = chunk_size
         for name, p in named:
             frozen = not p.requires_grad
-            if p.numel() > chunk_size:  # alone in a chunk of its own size
+            if sizes[name] > chunk_size:  # alone in a chunk of its own size
                 groups.append([name])
                 kinds.append(frozen)
                 used = chunk_size
                 continue
             # a new chunk when this one is full or holds the other kind (a zero-size
             # parameter opens one too)
-            if not groups or used + p.numel() > fill or kinds[-1] != frozen:
+            if not groups or used + sizes[name] > fill or kinds[-1] != frozen:
                 groups.append([])
                 kinds.append(frozen)
                 used = 0
             groups[-1].append(name)
-            used += p.numel()
-        sizes = {name: p.numel() for name, p in named}
+            used += sizes[name]
         trainable_ids = [i for i, k in enumerate(kinds) if not k]
         frozen_ids = [i for i, k in enumerate(kinds) if k]
         optim_off = set(trainable_ids[len(trainable_ids) - round(len(trainable_ids) * offload_fraction):])
         frozen_off = set(frozen_ids[len(frozen_ids) - round(len(frozen_ids) * offload_frozen):])
-        chunk_numel = [sum(sizes[name] for name in g) for g in groups]
-        _warn_unhonoured_offload("offload_fraction", offload_fraction, trainable_ids, optim_off, chunk_numel)
-        _warn_unhonoured_offload("offload_frozen", offload_frozen, frozen_ids, frozen_off, chunk_numel)
+        contents = [sum(sizes[name] for name in g) for g in groups]
+        _warn_unhonoured_offload("offload_fraction", offload_fraction, trainable_ids, optim_off, contents)
+        _warn_unhonoured_offload("offload_frozen", offload_frozen, frozen_ids, frozen_off, contents)
         chunks = [
             ChunkPlan(
                 params=g,
@@ -339,7 +341,7 @@ class ElixirPlan:
                 "make a new plan for this model"
             )
         for i, c in enumerate(self.chunks):
-            total = sum(named[n].numel() for n in c.params)
+            total = sum(chunk_numel(named[n], self.dtype.itemsize) for n in c.params)
             if total > self.chunk_size and len(c.params) > 1:  # one large parameter may
                 raise PlanError(
                     f"chunk {i} holds {total} elements, more than chunk_size {self.chunk_size}; "

@@ -15,12 +15,31 @@ import torch
 from torch import nn
 
 
+def is_packed(p: torch.Tensor) -> bool:
+    """Whether ``p`` is a 4-bit quantised weight packed into its storage (bitsandbytes'
+    ``Params4bit``, recognised by its attributes so that nothing here imports
+    bitsandbytes). Its elements are bit patterns, two 4-bit codes a byte, in whatever dtype
+    the model was loaded with (``bnb_4bit_quant_storage``: uint8 by default, or a float
+    dtype): they are moved byte for byte and never cast, and its quantisation state
+    (scales, code book, the unpacked shape) stays on the parameter, whole on every rank."""
+    return hasattr(p, "quant_state") and hasattr(p, "quant_storage") and hasattr(p, "blocksize")
+
+
+def chunk_numel(p: torch.Tensor, itemsize: int) -> int:
+    """Elements ``p`` takes in a chunk of ``itemsize``-byte elements: its own count, or for
+    a packed weight its bytes in chunk elements (rounded up: the last one is padded)."""
+    if is_packed(p):
+        return -(-p.numel() * p.element_size() // itemsize)
+    return p.numel()
+
+
 def chunked_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters that chunks hold: every floating-point parameter, each once (tied ones
-    once). Trainable ones go to trainable chunks, frozen ones (``requires_grad=False``) to
-    frozen chunks; a chunk never mixes the two, so no gradient memory is spent on frozen
-    weights. Non-floating parameters (quantised storage) stay whole on every rank."""
-    return [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+    """The parameters that chunks hold: every floating-point parameter and every packed
+    4-bit weight (``is_packed``), each once (tied ones once). Trainable ones go to
+    trainable chunks, frozen ones (``requires_grad=False``) to frozen chunks; a chunk never
+    mixes the two, so no gradient memory is spent on frozen weights. Other non-floating
+    parameters (8-bit quantised storage) stay whole on every rank."""
+    return [(n, p) for n, p in model.named_parameters() if p.is_floating_point() or is_packed(p)]
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:

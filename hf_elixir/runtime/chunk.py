@@ -49,9 +49,25 @@ class Slot:
     param: nn.Parameter
     index: int           # global slot index (position in the plan's parameter order)
     offset: int          # first element inside the chunk
-    numel: int
+    numel: int           # elements it takes in the chunk (for a packed weight: its bytes in them)
     shape: torch.Size
     orig_dtype: torch.dtype
+    #: a packed 4-bit weight (``profile.params.is_packed``): its bytes lie in the chunk as
+    #: they are, seen through ``view`` in ``orig_dtype``, never cast; ``stand_in`` is the
+    #: one element its released stand-in points at, so it keeps its own dtype released
+    packed: bool = False
+    stand_in: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def view(self, buffer: torch.Tensor) -> torch.Tensor:
+        """The parameter as it lies in ``buffer`` (a chunk's gathered values, or a flat
+        chunk-sized tensor): its elements at its shape, or for a packed weight its bytes
+        read back in its own dtype (offsets are 16-byte aligned, so any dtype can view
+        them)."""
+        flat = buffer[self.offset : self.offset + self.numel]
+        if not self.packed:
+            return flat.view(self.shape)
+        nbytes = self.shape.numel() * self.orig_dtype.itemsize
+        return flat.view(torch.uint8)[:nbytes].view(self.orig_dtype).view(self.shape)
 
     def local_range(self, shard_begin: int, shard_end: int) -> Optional[tuple[int, int, int]]:
         """(begin, end) inside the rank's shard and the start inside the flat parameter,
@@ -108,6 +124,11 @@ class Chunk:
     @property
     def full_bytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+    @property
+    def packed(self) -> bool:
+        """Holds packed 4-bit weights (``Slot.packed``): its values are bytes, never cast."""
+        return any(slot.packed for slot in self.slots)
 
     @property
     def master_aliased(self) -> bool:
@@ -186,7 +207,7 @@ class Chunk:
         self.work.wait()
         self._upload_tmp = None  # the compute stream now waits for the gather that read it
         for slot in self.slots:
-            mark_gathered(slot.param, self.full[slot.offset : slot.offset + slot.numel].view(slot.shape))
+            mark_gathered(slot.param, slot.view(self.full))
         self.state = ChunkState.GATHERED
 
     # ------------------------------------------------------------------ host <-> device fences
@@ -229,7 +250,7 @@ class Chunk:
         evicts it."""
         assert self.state is ChunkState.GATHERED and self.pins == 0
         for slot in self.slots:
-            mark_released(slot.param, placeholder)
+            mark_released(slot.param, placeholder if slot.stand_in is None else slot.stand_in)
         self.state = ChunkState.RELEASED
 
     # ------------------------------------------------------------------ gradients

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hf_elixir.planner.record import ElixirPlan, PlanError, chunk_layout
+from hf_elixir.profile.params import chunk_numel, is_packed
 from hf_elixir.profile.profiler import enable_checkpointing, model_checkpoints
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
@@ -30,6 +31,7 @@ from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.recovery import Recovery, Replanner, adopt_plan
+from hf_elixir.runtime.packed import prepare_packed_layers
 from hf_elixir.runtime.reduce import GradReducer
 from hf_elixir.runtime.released import mark_released
 from hf_elixir.runtime.threads import host_threads
@@ -114,6 +116,7 @@ class ElixirModule(nn.Module):
             # the model's own setting, when on, is the user's (layers, offload): kept as it is
             enable_checkpointing(model)
             self._own_checkpointing = True
+        prepare_packed_layers(model, self.device)
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
         self.slot_by_name = {s.name: s for s in self.slots}
@@ -154,10 +157,10 @@ class ElixirModule(nn.Module):
         return self.device if where == "device" else torch.device("cpu")
 
     def _move_untracked(self, sync: bool) -> None:
-        """Parameters that are not floating point (quantised storage, which no chunk holds)
-        and buffers stay whole on every rank."""
+        """Parameters that are not floating point (8-bit quantised storage, which no chunk
+        holds) and buffers stay whole on every rank."""
         for p in self.module.parameters():
-            if not p.is_floating_point():
+            if not p.is_floating_point() and not is_packed(p):
                 data = p.data.to(self.device)
                 if data.is_floating_point():
                     data = data.to(self.dtype)
@@ -178,7 +181,8 @@ class ElixirModule(nn.Module):
         offsets and shard boundaries; a chunk is as large as its contents, not
         plan.chunk_size, so partly filled chunks waste no memory)."""
         named = dict(self.module.named_parameters())
-        return [chunk_layout([named[name].numel() for name in cplan.params], self.dtype.itemsize,
+        return [chunk_layout([chunk_numel(named[name], self.dtype.itemsize) for name in cplan.params],
+                             self.dtype.itemsize,
                              self.comm.world_size)
                 for cplan in self.plan.chunks]
 
@@ -209,12 +213,22 @@ class ElixirModule(nn.Module):
         self._slot_chunk: list[int] = []
         for cid, (cplan, (size, offsets)) in enumerate(zip(self.plan.chunks, layout)):
             shard_size = size // W
-            flat = torch.zeros(size, dtype=torch.float32)
+            packed = [name for name in cplan.params if is_packed(named[name])]
+            if packed and not cplan.frozen:
+                raise PlanError(f"{packed[0]!r} is a packed 4-bit weight, which cannot be trained, but "
+                                f"it requires grad (chunk {cid}); freeze it (requires_grad_(False)) "
+                                "and train adapters over it")
+            # a chunk holding packed bytes is built in the compute dtype (no float32 pass
+            # would keep their bit patterns); its other values go through float32 as in the
+            # other chunks, so their rounding is the same
+            flat = torch.zeros(size, dtype=self.dtype if packed else torch.float32)
             chunk_slots: list[Slot] = []
             for name, offset in zip(cplan.params, offsets):
                 p = named[name]
-                slot = Slot(name, p, len(slots), offset, p.numel(), p.shape, p.dtype)
-                flat[offset : offset + p.numel()].copy_(p.data.reshape(-1))
+                slot = Slot(name, p, len(slots), offset, chunk_numel(p, self.dtype.itemsize), p.shape, p.dtype,
+                            packed=is_packed(p),
+                            stand_in=torch.zeros(1, dtype=p.dtype, device=self.device) if is_packed(p) else None)
+                slot.view(flat).copy_(p.data if slot.packed else p.data.to(torch.float32))
                 chunk_slots.append(slot)
                 slots.append(slot)
                 self._slot_chunk.append(cid)
@@ -247,7 +261,7 @@ class ElixirModule(nn.Module):
             if not in_place:
                 chunk.full.untyped_storage().resize_(0)
             for slot in chunk_slots:
-                mark_released(slot.param, self._placeholder)
+                mark_released(slot.param, self._placeholder if slot.stand_in is None else slot.stand_in)
             shard_bytes = shard_size * self.dtype.itemsize
             if cplan.param_placement == "device":
                 self.ledger.add("frozen_shards" if cplan.frozen else "param_shards", shard_bytes)
@@ -464,14 +478,17 @@ class ElixirModule(nn.Module):
             return getattr(self._modules["module"], name)
 
     def _gathered_chunk(self, chunk: Chunk) -> torch.Tensor:
-        """The full fp32 values of one chunk (from the master shards), gathered collectively."""
+        """The full values of one chunk (from the master shards), gathered collectively: in
+        fp32, or for a chunk holding packed 4-bit weights in its own dtype (their bytes are
+        not numbers to cast; ``Slot.view`` reads each parameter out)."""
         self.host_updates.wait_all()
-        full = torch.empty(chunk.size, dtype=torch.float32, device=self.device)
-        self.ledger.add("temporary", full.numel() * 4)
+        dtype = chunk.dtype if chunk.packed else torch.float32
+        full = torch.empty(chunk.size, dtype=dtype, device=self.device)
+        self.ledger.add("temporary", full.numel() * dtype.itemsize)
         try:
-            self.comm.all_gather(full, chunk.master.to(self.device, dtype=torch.float32)).wait()
+            self.comm.all_gather(full, chunk.master.to(self.device, dtype=dtype)).wait()
         finally:
-            self.ledger.sub("temporary", full.numel() * 4)
+            self.ledger.sub("temporary", full.numel() * dtype.itemsize)
         return full
 
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
@@ -495,9 +512,7 @@ class ElixirModule(nn.Module):
         for chunk in chunks:
             full = self._gathered_chunk(chunk).cpu()
             for slot in chunk.slots:
-                by_param[id(slot.param)] = (
-                    full[slot.offset : slot.offset + slot.numel].view(slot.shape).to(slot.orig_dtype).clone()
-                )
+                by_param[id(slot.param)] = slot.view(full).to(slot.orig_dtype).clone()
             del full
         chunked = {id(s.param) for s in self.slots}
         out = {}
@@ -534,18 +549,26 @@ class ElixirModule(nn.Module):
                         f"state_dict[{k!r}] has shape {tuple(state_dict[k].shape)}, the model "
                         f"expects {tuple(want)}"
                     )
+        packed = {id(s.param): s for s in self.slots if s.packed}
+        for k, v in own.items():
+            if k in state_dict and id(v) in packed and state_dict[k].dtype != packed[id(v)].orig_dtype:
+                raise RuntimeError(
+                    f"state_dict[{k!r}] holds packed 4-bit codes in {state_dict[k].dtype}, the model "
+                    f"packs them in {packed[id(v)].orig_dtype}; their bytes cannot be cast: load the "
+                    "weights with the model's own bnb_4bit_quant_storage"
+                )
         self.release_all()
         rank = self.comm.rank
         for chunk in self.chunks:
-            flat = torch.zeros(chunk.size, dtype=torch.float32)
+            flat = torch.zeros(chunk.size, dtype=chunk.dtype if chunk.packed else torch.float32)
+            current = None
             for slot in chunk.slots:
                 key = key_of_param.get(id(slot.param))
-                if key is not None:
-                    flat[slot.offset : slot.offset + slot.numel].copy_(state_dict[key].reshape(-1))
-                else:  # not strict and absent: keep the current values
-                    flat[slot.offset : slot.offset + slot.numel].copy_(
-                        self._gathered_chunk(chunk).cpu()[slot.offset : slot.offset + slot.numel]
-                    )
+                if key is None:  # not strict and absent: keep the current values
+                    current = self._gathered_chunk(chunk).cpu() if current is None else current
+                    slot.view(flat).copy_(slot.view(current))
+                else:
+                    slot.view(flat).copy_(state_dict[key].reshape(slot.shape))
             local = flat[rank * chunk.shard_size : (rank + 1) * chunk.shard_size]
             chunk.master.copy_(local)
             if not chunk.master_aliased:
