@@ -12,7 +12,7 @@ import torch
 
 from equivalence import assert_matches
 from harness import run_distributed
-from qlora_cases import STEPS, build, elixir, load_4bit, reference, save_base
+from qlora_cases import STEPS, TARGETS, build, elixir, load_4bit, reference, save_base
 
 import bitsandbytes  # noqa: F401  (in the test extra: a missing one fails here, never skips)
 from hf_elixir.vocab import HfElixirError
@@ -103,3 +103,48 @@ def test_a_packed_weight_cannot_be_trained(base) -> None:
         p.requires_grad_(True)
     with pytest.raises(hfe.PlanError, match="packed 4-bit weight"):
         hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1), device="cpu")
+
+
+# ---------------------------------------------------------------------- planning
+@pytest.mark.parametrize("storage", ["bfloat16", "uint8"])
+def test_a_4bit_base_planned_from_its_config_is_the_one_loaded(base, storage) -> None:
+    """The planner's meta 4-bit base (``hf-elixir plan --load-in-4bit``) has the parameters,
+    packed sizes and quantisation state of the same base loaded by bitsandbytes."""
+    from transformers import AutoConfig
+
+    from hf_elixir.profile.lora import meta_lora_model
+    from hf_elixir.profile.profiler import profile_model
+    from hf_elixir.profile.quant import meta_4bit
+    from hf_elixir.profile.trace import build_meta_model
+
+    real = profile_model(build(base, storage), (2, 16), dtype="float32", attention_target="cpu")
+    meta_base = meta_4bit(build_meta_model(AutoConfig.from_pretrained(base), "float32"), storage=storage,
+                          compute_dtype="float32")
+    planned = profile_model(meta_lora_model(meta_base, 8, TARGETS, dtype="float32"), (2, 16), dtype="float32",
+                            attention_target="cpu")
+    assert [(p.name, p.numel, p.frozen, p.packed_weights) for p in planned.params] == \
+           [(p.name, p.numel, p.frozen, p.packed_weights) for p in real.params]
+    assert planned.buffer_bytes == real.buffer_bytes
+    assert real.n_packed_params == sum(m.in_features * m.out_features for m in _projections(base))
+    # the packed base is a quarter of its bf16 bytes (an eighth of fp32): two weights a byte
+    assert real.frozen_bytes < 0.3 * real.n_frozen_params * 4
+
+
+def _projections(base):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base))
+    head = model.get_output_embeddings()
+    return [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not head]
+
+
+def test_hf_elixir_plan_load_in_4bit(base, capsys) -> None:
+    from hf_elixir.cli import main
+
+    assert main(["plan", str(base), "--load-in-4bit", "--lora-r", "8", "--gpus", "2", "--hardware", "rtx4090",
+                 "--seq-len", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "in 4 bits (nf4) + LoRA r8" in out and "packed in 4 bits" in out
+    assert main(["plan", str(base), "--load-in-4bit", "--gpus", "2", "--hardware", "rtx4090"]) != 0
+    assert "add --lora-r" in capsys.readouterr().err

@@ -26,6 +26,8 @@ from hf_elixir.planner.summary import _MEM_ORDER, chosen_as_dict, summary
 from hf_elixir.profile import profile_model
 from hf_elixir.profile.configs import known_config
 from hf_elixir.profile.lora import meta_lora_model
+from hf_elixir.profile.quant import meta_4bit
+from hf_elixir.profile.trace import build_meta_model
 
 
 # ---------------------------------------------------------------------- model loading
@@ -91,6 +93,12 @@ def register_plan(sub) -> None:
     p.add_argument("--lora-targets", default=None, metavar="NAMES",
                    help="comma-separated modules LoRA adapts, e.g. q_proj,v_proj (default: every "
                         "projection in the decoder blocks: attention and MLP)")
+    p.add_argument("--load-in-4bit", action="store_true",
+                   help="plan QLoRA: the base loaded in 4 bits by bitsandbytes (nf4, every linear layer but "
+                        "the head, as BitsAndBytesConfig(load_in_4bit=True) does), with --lora-r adapters; "
+                        "needs bitsandbytes")
+    p.add_argument("--double-quant", action="store_true",
+                   help="with --load-in-4bit: bnb_4bit_use_double_quant (block scales in 8 bits)")
     p.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of memory and step-time breakdowns here")
     p.set_defaults(func=cmd_plan)
@@ -119,11 +127,20 @@ def _lora_model(cfg, args):
     if args.lora_r is None:
         if args.lora_targets:
             raise CLIError("--lora-targets needs --lora-r (the adapters' rank)")
+        if args.load_in_4bit:
+            raise CLIError("--load-in-4bit plans QLoRA, whose 4-bit base cannot train: add --lora-r N "
+                           "(the adapters' rank, e.g. --lora-r 16)")
         return cfg
+    if args.double_quant and not args.load_in_4bit:
+        raise CLIError("--double-quant is a setting of the 4-bit base: add --load-in-4bit")
 
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
     try:
-        return meta_lora_model(cfg, args.lora_r, targets, dtype=args.dtype)
+        base = cfg
+        if args.load_in_4bit:
+            base = meta_4bit(build_meta_model(cfg, args.dtype), compute_dtype=args.dtype,
+                             double_quant=args.double_quant)
+        return meta_lora_model(base, args.lora_r, targets, dtype=args.dtype)
     except (ImportError, ValueError) as e:
         raise CLIError(str(e)) from e
 
@@ -145,7 +162,8 @@ def cmd_plan(args) -> int:
             targets = ",".join(sorted(model.peft_config["default"].target_modules))
             profile = profile_model(model, (args.batch_size, args.seq_len), dtype=args.dtype,
                                     attention_target=hw.device_type,
-                                    model_name=f"{args.model} + LoRA r{args.lora_r} ({targets})")
+                                    model_name=f"{args.model}{' in 4 bits (nf4)' if args.load_in_4bit else ''}"
+                                               f" + LoRA r{args.lora_r} ({targets})")
         result = make_plan(model, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
                            dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency,
                            profile=profile)

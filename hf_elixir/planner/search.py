@@ -382,6 +382,8 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         "gathers_per_step": c.gathers,
         "comm_bytes_per_step": int(c.comm_bytes),
         "pcie_bytes_per_step": int(c.pcie_bytes),
+        # what the offloaded state takes in host memory, per rank (chunks counted full size)
+        "host_bytes_per_rank": int(_host_bytes(c, W, compute_dtype, optimizer)),
         "activation_peak_bytes": {"plain": profile.plain.memory.peak,
                                   "checkpointed": profile.checkpointed.memory.peak if profile.checkpointed else None},
         "step_flops": step.memory.flops,
@@ -397,7 +399,8 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         "model": profile.model_name,
         "n_params": profile.n_params,
         # the frozen weights: whole (what each rank would hold replicated) and as shards
-        "frozen": {"params": profile.n_frozen_params, "bytes": profile.frozen_bytes,
+        "frozen": {"params": profile.n_frozen_params, "packed_params": profile.n_packed_params,
+                   "bytes": profile.frozen_bytes,
                    "shard_bytes_per_rank": frozen_shards, "chunks": len(frozen),
                    "offloaded_chunks": c.n_frozen_cpu},
         "margin": {"allocator_fraction": cost.allocator_margin(hw),

@@ -79,6 +79,11 @@ def summary(plan) -> str:
             f"budget; step {p['step_time_s'] * 1e3:.1f} ms"
             + (f", {p['tokens_per_s']:.0f} tokens/s" if p.get("tokens_per_s") else "")
         )
+        host = p.get("host_bytes_per_rank")
+        if host and p.get("device_type", "cuda") == "cuda":
+            node = host * p.get("ranks_per_node", plan.world_size)
+            lines.append(f"  host memory for offloaded state: {format_bytes(host)} per GPU, "
+                         f"{format_bytes(node)} per machine")
         if plan.micro_batch_split > 1:
             b = p.get("batch_size")
             lines.append(f"  micro-batch: each batch of {b * plan.micro_batch_split if b else '?'} per device runs as "
@@ -160,8 +165,11 @@ def frozen_notes(plan) -> list[str]:
     per = _per(plan)
     whole, shards = info["bytes"], info["shard_bytes_per_rank"]
     on_device = p.get("memory", {}).get("frozen_shards", 0)
+    packed = info.get("packed_params", 0)
+    held = (f"{packed / 1e6:.1f}M of them packed in 4 bits, the rest in {plan.compute_dtype}" if packed
+            else f"in {plan.compute_dtype}")
     out = [f"  frozen weights: {info['params'] / 1e6:.1f}M parameters, {format_bytes(whole)} "
-           f"({whole / 1e9:.1f} GB) in {plan.compute_dtype}, in {info['chunks']} frozen chunks; "
+           f"({whole / 1e9:.1f} GB) {held}, in {info['chunks']} frozen chunks; "
            f"sharded over {plan.world_size} ranks: {format_bytes(shards)} per {per}"
            + (f", {info['offloaded_chunks']} chunks of them in CPU memory ({format_bytes(on_device)} on the {per})"
               if info.get("offloaded_chunks") else "")]

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from hf_elixir.profile.params import chunked_parameters, detect_fetch_units
+from hf_elixir.profile.params import chunk_numel, chunked_parameters, detect_fetch_units
+from hf_elixir.profile.quant import packed_weights, quant_state_bytes
 from hf_elixir.vocab import DTYPE_BYTES, canonical_dtype
 from hf_elixir.profile.memory import LiveStorageTracker, StepMemory, run_step
 from hf_elixir.profile.trace import (
@@ -37,6 +38,9 @@ class ParamInfo:
     numel: int
     shape: tuple[int, ...]
     frozen: bool = False
+    #: a packed 4-bit weight (QLoRA's base): how many weights its bytes hold; ``numel`` is
+    #: then those bytes counted in compute-dtype elements, as its chunk holds them
+    packed_weights: int = 0
 
 
 @dataclass
@@ -57,8 +61,9 @@ class ModelProfile:
             are flagged, since the runtime packs them into frozen chunks that it shards like
             the rest but holds no training state for.
         tied: groups of names that are one parameter.
-        buffer_bytes: bytes every rank holds whole: buffers, and parameters that are not
-            floating-point (quantised storage is never chunked).
+        buffer_bytes: bytes every rank holds whole: buffers, parameters that are not
+            floating-point (8-bit quantised storage is never chunked) and the quantisation
+            state of packed 4-bit weights (whose packed bytes are chunked).
         fetch_units: modules fetched as one unit (mixture-of-experts blocks).
         borrowed: module -> parameters its forward reads without owning them (fetched for
             it too; see ``find_borrowed_reads``).
@@ -101,14 +106,21 @@ class ModelProfile:
 
     @property
     def n_frozen_params(self) -> int:
-        """Frozen parameters (elements): a PEFT base, frozen layers or embeddings."""
-        return sum(p.numel for p in self.frozen)
+        """Frozen parameters (weights): a PEFT base, frozen layers or embeddings; a 4-bit
+        base counts its weights, not its bytes."""
+        return sum(p.packed_weights or p.numel for p in self.frozen)
+
+    @property
+    def n_packed_params(self) -> int:
+        """Frozen weights held packed in 4 bits (QLoRA's base)."""
+        return sum(p.packed_weights for p in self.frozen)
 
     @property
     def frozen_bytes(self) -> int:
-        """Bytes of the frozen parameters in the compute dtype: what one rank would hold if
-        they were replicated, and what the ranks' frozen shards add up to (less padding)."""
-        return self.n_frozen_params * DTYPE_BYTES[self.dtype]
+        """Bytes of the frozen parameters as chunks hold them (the compute dtype; a 4-bit
+        base its packed bytes): what one rank would hold if they were replicated, and what
+        the ranks' frozen shards add up to (less padding)."""
+        return sum(p.numel for p in self.frozen) * DTYPE_BYTES[self.dtype]
 
     @property
     def hidden_size(self) -> int | None:
@@ -260,10 +272,15 @@ def profile_model(
     batch = make_batch(example_batch, vocab, device="meta")
     bsz, seq = batch_shape(batch)
     named = chunked_parameters(meta)
-    params = [ParamInfo(n, p.numel(), tuple(p.shape), frozen=not p.requires_grad) for n, p in named]
+    # elements as chunks of the compute dtype hold them (a packed 4-bit weight: its bytes)
+    params = [ParamInfo(n, chunk_numel(p, DTYPE_BYTES[dtype]), tuple(p.shape), frozen=not p.requires_grad,
+                        packed_weights=packed_weights(p))
+              for n, p in named]
     chunked = {id(p) for _, p in named}
     whole = sum(p.numel() * p.element_size() for p in meta.parameters() if id(p) not in chunked)
-    buffers = whole + sum(b.numel() * b.element_size() for b in meta.buffers())
+    # held whole on every rank: buffers, and the quantisation state of 4-bit weights
+    buffers = (whole + sum(b.numel() * b.element_size() for b in meta.buffers())
+               + sum(quant_state_bytes(p) for _, p in named))
 
     borrowed = find_borrowed_reads(meta, batch, fetch_units)
     plain = ckpt = None

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from hf_elixir.profile.grad_marks import alias_inputs, on_output_grad
-from hf_elixir.profile.params import detect_fetch_units
+from hf_elixir.profile.params import detect_fetch_units, is_packed
 from hf_elixir.vocab import torch_dtype as _torch_dtype
 from hf_elixir.profile.memory import LiveStorageTracker
 
@@ -49,6 +49,17 @@ def set_training(module: nn.Module, mode: bool = True) -> nn.Module:
     return module
 
 
+def _meta_packed(p: nn.Parameter) -> nn.Parameter:
+    """A meta copy of a packed 4-bit weight: its own class and dtype (its bytes are what a
+    chunk holds, ``params.chunk_numel``) and its attributes, the quantisation state
+    included, which the layer's kernel reads (its meta implementation needs only shapes)."""
+    meta = torch.Tensor._make_subclass(type(p), torch.empty_like(p, device="meta"), p.requires_grad)
+    meta.__dict__.update(p.__dict__)
+    if "module" in meta.__dict__:
+        meta.module = None  # the real layer: the copy must not reach it
+    return meta
+
+
 def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32") -> nn.Module:
     """A copy of the model whose parameters and buffers live on the meta device.
 
@@ -56,12 +67,15 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32")
     ``torch.device("meta")``: no weights are read or allocated) or an ``nn.Module`` (deep-copied
     with every parameter and buffer replaced by a meta tensor of the same shape, so even a real
     model is never duplicated in memory; tied parameters stay tied). Floating-point parameters
-    take the compute ``dtype``, as the runtime casts them.
+    take the compute ``dtype``, as the runtime casts them; packed 4-bit weights keep theirs.
     """
     torch_dtype = _torch_dtype(dtype)
     if isinstance(model_or_config, nn.Module):
         memo: dict[int, Any] = {}
         for p in model_or_config.parameters():
+            if is_packed(p):
+                memo[id(p)] = _meta_packed(p)
+                continue
             memo[id(p)] = nn.Parameter(
                 torch.empty_like(p, device="meta", dtype=torch_dtype if p.is_floating_point() else p.dtype),
                 requires_grad=p.requires_grad,
@@ -159,7 +173,7 @@ def module_parameters(model: nn.Module, fetch_units: Iterable[str] = (),
         params = module.parameters() if mname in units else module.parameters(recurse=False)
         own: list[str] = []
         for p in params:
-            if p.is_floating_point() and names[id(p)] not in own:
+            if (p.is_floating_point() or is_packed(p)) and names[id(p)] not in own:
                 own.append(names[id(p)])
         own += [p for p in (borrowed or {}).get(mname, []) if p not in own]
         if own and mname not in owned:
@@ -212,7 +226,7 @@ def find_borrowed_reads(model: nn.Module, batch: dict[str, torch.Tensor],
     for it, found by running one forward of ``model`` (a meta copy, normally)."""
     units = list(fetch_units)
     names = parameter_names(model)
-    storages = {_storage_id(p): names[id(p)] for p in model.parameters() if p.is_floating_point()}
+    storages = {_storage_id(p): names[id(p)] for p in model.parameters() if p.is_floating_point() or is_packed(p)}
     unit_of = {}
     for mname, _ in model.named_modules():
         unit_of[mname] = next((u for u in units if mname == u or mname.startswith(u + ".")), mname)
