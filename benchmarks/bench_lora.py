@@ -5,6 +5,7 @@ and the bytes of frozen base weights each rank holds at peak.
     python benchmarks/bench_lora.py --models llama-60m --steps 3
     python benchmarks/bench_lora.py --plan simple         # a pinned ElixirPlan.simple plan
     python benchmarks/bench_lora.py --quick               # tiny models, a few seconds of steps
+    python benchmarks/bench_lora.py --qlora               # QLoRA: the base loaded in 4 bits
 
 Every system fine-tunes the same PEFT model: bench_planner's GPT-2 124M or Llama-style 60M
 (same configs, seed 0) with LoRA adapters of rank 16 (alpha 32, no dropout, PEFT's own
@@ -30,6 +31,14 @@ Systems, in the order they run (one after another in the same ranks, the baselin
                      ``--plan simple``: the simple plan at its fewest rCache blocks.
                      On a CPU device "offloaded" state is host memory all the same: these
                      rows show what the plan costs in time, and what it holds in total.
+
+``--qlora``: QLoRA, every system on the same 4-bit base. The parent saves each seeded base to
+a folder once; every process loads it quantised on load by bitsandbytes (nf4, packed codes
+stored in bf16 as FSDP needs them, computing in fp32 like the rest of the benchmark), prepares
+it with PEFT's ``prepare_model_for_kbit_training`` (no gradient checkpointing: as in the LoRA
+runs) and adds the same adapters. DDP replicates the packed base, FSDP2 shards the packed
+parameters in its units (FSDP-QLoRA), hf_elixir packs them into frozen chunks. Llama-style
+models only (GPT-2's Conv1D projections stay unquantised); results go to ``bench_qlora.json``.
 
 Plans are made once per model in the parent process (``--efficiency``: how ``hfe.plan``
 prices compute; ``auto`` times the model here once when this machine has a calibration) and
@@ -136,17 +145,43 @@ def tiny_config(name: str):
     raise ValueError(name)
 
 
-def build_lora(name: str) -> nn.Module:
-    """The base model (bench_planner's, or a tiny one) with LoRA adapters; the same weights
-    in every process (seeded base, seeded adapter initialisation)."""
-    from peft import LoraConfig, get_peft_model
+def build_base(name: str) -> nn.Module:
+    """The base model, bench_planner's or a tiny one, seeded: the same weights everywhere."""
     from transformers import AutoModelForCausalLM
 
     if name in TINY_MODELS:
         torch.manual_seed(0)
-        base = AutoModelForCausalLM.from_config(tiny_config(name))
-    else:
-        base = bench_planner.build(name)
+        return AutoModelForCausalLM.from_config(tiny_config(name))
+    return bench_planner.build(name)
+
+
+def save_bases(models: list[str], folder: Path) -> dict[str, str]:
+    """--qlora: each base saved once, for every process to load quantised on load."""
+    out = {}
+    for name in models:
+        out[name] = str(folder / name)
+        build_base(name).save_pretrained(out[name])
+    return out
+
+
+def load_4bit(folder: str) -> nn.Module:
+    """A saved base loaded in 4 bits as a QLoRA script loads it (see the module docstring)."""
+    from peft import prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32,
+                               bnb_4bit_quant_storage=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(folder, quantization_config=quant, dtype=torch.float32)
+    return prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+def build_lora(name: str, base_folder: str | None = None) -> nn.Module:
+    """The base model (bench_planner's, or a tiny one; in 4 bits from ``base_folder`` with
+    --qlora) with LoRA adapters; the same weights in every process (seeded base, seeded
+    adapter initialisation)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = build_base(name) if base_folder is None else load_4bit(base_folder)
     kind = base.config.model_type
     torch.manual_seed(1)
     config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=TARGETS[kind],
@@ -360,7 +395,7 @@ def make_plans(model_name: str, args) -> dict[str, dict]:
     wanted = [s for s in args.systems if s in ELIXIR_SYSTEMS]
     if not wanted:
         return {}
-    model = build_lora(model_name)
+    model = build_lora(model_name, args.base_folders.get(model_name))
     W = args.world_size
     plans = {}
     if args.plan == "simple":
@@ -408,7 +443,7 @@ def run_system(system: str, model_name: str, args, plan_json: str | None) -> dic
     wire and probed for frozen bytes."""
     rank, world = dist.get_rank(), dist.get_world_size()
     t0 = time.perf_counter()
-    model = build_lora(model_name)
+    model = build_lora(model_name, args.base_folders.get(model_name))
     vocab = model.config.vocab_size
     trainable = sum(p.numel() for p in unique_params(p for p in model.parameters() if p.requires_grad))
     base = sum(nbytes(p) for p in unique_params(p for p in model.parameters() if not p.requires_grad))
@@ -580,19 +615,24 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, help=f"default {DEFAULTS['steps']}")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     add_host_memory_option(p)
+    p.add_argument("--qlora", action="store_true",
+                   help="QLoRA: every system on the base loaded in 4 bits (nf4; needs bitsandbytes)")
     p.add_argument("--show-plans", action="store_true", help="print each hf_elixir plan's summary")
     p.add_argument("--output", type=Path)
     args = p.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
-            setattr(args, key, value)
+            setattr(args, key, [m for m in value if "llama" in m] if key == "models" and args.qlora else value)
+    if args.qlora and any("llama" not in m for m in args.models):
+        p.error("--qlora benchmarks Llama-style models (GPT-2's Conv1D projections stay unquantised)")
+    args.base_folders = {}
     try:
         args.efficiency = float(args.efficiency)
     except ValueError:
         pass
     if args.output is None:
-        args.output = (Path(tempfile.gettempdir()) / "bench_lora_quick.json" if args.quick
-                       else RESULTS / "bench_lora.json")
+        name = "bench_qlora" if args.qlora else "bench_lora"
+        args.output = Path(tempfile.gettempdir()) / f"{name}_quick.json" if args.quick else RESULTS / f"{name}.json"
     if args.global_batch % args.world_size:
         p.error("--global-batch must be divisible by --world-size")
     if args.steps < 1:
@@ -603,6 +643,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench_qlora_bases_") as bases:
+        if args.qlora:
+            args.base_folders = save_bases(args.models, Path(bases))
+        run(args)
+
+
+def run(args) -> None:
     plans = {model_name: make_plans(model_name, args) for model_name in args.models}
     # one set of ranks for every model; with glibc's defaults for the baselines, one set per
     # model, so that no baseline runs after hf_elixir has changed the allocator's setting
@@ -614,8 +661,9 @@ def main(argv=None) -> None:
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "lora": {"r": LORA_RANK, "alpha": 2 * LORA_RANK, "dropout": 0.0, "targets": TARGETS},
+        "qlora": {"quant_type": "nf4", "quant_storage": "bfloat16", "compute_dtype": "float32"} if args.qlora else None,
         "torch": torch.__version__,
-        "versions": {name: _version(name) for name in ("transformers", "peft")},
+        "versions": {name: _version(name) for name in ("transformers", "peft", "bitsandbytes")},
         "summary": summary,
         "plans": {m: {s: json.loads(v["json"]) for s, v in by.items()} for m, by in plans.items()},
         "raw": results,
