@@ -33,8 +33,8 @@ class Fetcher:
         ledger: MemoryLedger,
         prefetch_depth: int,
         placeholder: torch.Tensor,
-        clock: Optional[StepClock] = None,
-        host_updates: Optional[HostUpdates] = None,
+        clock: StepClock,
+        host_updates: HostUpdates,
     ) -> None:
         self.chunks = chunks
         #: a chunk still updating on the host thread is waited for before its first use
@@ -66,13 +66,11 @@ class Fetcher:
 
     def _fetch(self, cids: Sequence[int], pinned: list[int]) -> None:
         start = None  # marked at the first chunk this fetch must wait for
-        updates = self.host_updates
         for cid in cids:
-            if updates is not None and cid in updates.awaiting:
-                updates.wait(cid)
+            self.host_updates.wait(cid)
             self.cache.note_request(cid)
             chunk = self.chunks[cid]
-            if chunk.state is not ChunkState.GATHERED and start is None and self.clock is not None:
+            if chunk.state is not ChunkState.GATHERED and start is None:
                 start = self.clock.mark()
             if chunk.state is ChunkState.RELEASED:
                 if not chunk.has_block and not chunk.in_place:  # in place: no block needed
@@ -187,7 +185,7 @@ class Fetcher:
             return
         # an in-place chunk costs nothing to "gather" now: no block, no copy; one whose host
         # update the main thread has not waited for yet is gathered when first used
-        awaiting = self.host_updates.awaiting if self.host_updates is not None else ()
+        awaiting = self.host_updates.awaiting
         ready = lambda cid: (self.chunks[cid].state is not ChunkState.RELEASED or self.chunks[cid].in_place  # noqa: E731
                              or cid in awaiting)
         for cid, pos in self.cache.upcoming(self.prefetch_depth, ready):

@@ -436,7 +436,7 @@ class ElixirOptimizer(Optimizer):
             order = [key for key in order if key[0] not in host_state]
             self._start_background(background, batches, readers_done)
         for i, key in enumerate(order):
-            if key[0] in host_state or (key[0] < 0 and key[2] != self.module.device):
+            if key[0] in host_state:  # merged device-state batches (chunk -1) are on the device
                 start = clock.now()
                 self._update(self.param_groups[key[1]], key[2], batches[key])
                 clock.host_phase("cpu_optimizer", start)

@@ -46,9 +46,10 @@ class GradReducer:
         comm: Collectives,
         ledger: MemoryLedger,
         n_slots: int,
+        *,
+        clock: StepClock,
+        host_updates: HostUpdates,
         max_in_flight: int = REDUCTIONS_IN_FLIGHT,
-        clock: Optional[StepClock] = None,
-        host_updates: Optional[HostUpdates] = None,
     ) -> None:
         self.chunks = chunks
         #: a gradient for a chunk still updating on the host thread waits for that update
@@ -75,8 +76,7 @@ class GradReducer:
     # ------------------------------------------------------------------ during backward
     def _settled(self, chunk: Chunk) -> None:
         """Wait for the chunk's host update if it still runs (it reads the gradient shard)."""
-        if self.host_updates is not None and chunk.index in self.host_updates.awaiting:
-            self.host_updates.wait(chunk.index)
+        self.host_updates.wait(chunk.index)
 
     def on_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
         self._settled(chunk)
@@ -154,23 +154,20 @@ class GradReducer:
         if not self.downloads:
             return
         clock = self.clock
-        start = clock.now() if clock else 0.0
+        start = clock.now()
         torch.cuda.current_stream(self.downloads[0].device).synchronize()
-        if clock:
-            clock.host_phase("pcie", start)
-            start = clock.now()
+        clock.host_phase("pcie", start)
+        start = clock.now()
         for chunk in self.downloads:
             chunk.grad_shard.add_(chunk.staging)
         self.downloads.clear()
-        if clock:
-            clock.host_phase("host_copies", start)
+        clock.host_phase("host_copies", start)
 
     def _complete(self, entry: tuple[Chunk, Optional[torch.Tensor], Work]) -> None:
         chunk, scratch, work = entry
-        start = self.clock.mark() if self.clock else None
+        start = self.clock.mark()
         work.wait()  # also adds the reduced slice into chunk.grad_shard (unless staged)
-        if self.clock:
-            self.clock.device_phase("exposed_communication", start)
+        self.clock.device_phase("exposed_communication", start)
         if chunk.staging is not None:  # one rank: the buffer's first shard_size elements are the shard
             self._download(chunk, scratch if scratch is not None else chunk.grad_buffer[: chunk.shard_size])
         if scratch is not None:
@@ -195,8 +192,7 @@ class GradReducer:
             self._reduce(chunk)
         while self.pending:
             self._complete(self.pending.popleft())
-        if self.clock:  # the pass ends here; the host's wait for downloads is pcie
-            self.clock.end_pass()
+        self.clock.end_pass()  # the pass ends here; the host's wait for downloads is pcie
         self._drain_downloads()
         for chunk in self.chunks:
             chunk.grads_received.clear()
