@@ -38,10 +38,17 @@ in float32 also records the digests of its values rounded to bfloat16 and float1
 resume with a lower compute dtype can still be checked; a float32 model loading a bf16
 checkpoint rounds its own values to bf16 to compare. Other combinations (bf16 saved, fp16
 loaded) cannot be compared exactly and are refused with the dtype to use.
+
+Packed 4-bit weights (QLoRA's base, ``profile.params.is_packed``) are bit patterns that a
+chunk of any dtype holds byte for byte: rounding them means nothing, and their elements in a
+float32 chunk are not those of a bf16 one. They are digested as their bytes at their byte
+positions (``tensor_digest(weight.view(torch.uint8))``), the same under every dtype key, so
+a resume in another compute dtype compares the same bytes.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -49,6 +56,7 @@ import torch
 
 from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.io import dtype_from_name, dtype_name
+from hf_elixir.profile.params import is_packed
 from hf_elixir.runtime import state
 
 FINGERPRINT = "sum-fmix32x2-v1"
@@ -201,18 +209,32 @@ def tensor_digest(values: torch.Tensor, dtype: Optional[torch.dtype] = None) -> 
     return _hex(_lane_sums(values.detach().reshape(-1).contiguous(), 0, dtype=dtype).tolist())
 
 
+def packed_nbytes(emodel) -> dict[str, int]:
+    """The frozen parameters that are packed 4-bit weights, with their size in bytes (a chunk
+    may hold a few padding bytes after them, which are not theirs)."""
+    packed = {n for n, p in state.wrapped_module(emodel).named_parameters() if is_packed(p)}
+    return {s.name: math.prod(s.shape) * s.dtype.itemsize for s in frozen_slots(emodel) if s.name in packed}
+
+
 def local_partials(emodel, dtypes: list[torch.dtype]) -> dict[str, dict[str, list[int]]]:
     """This rank's share of every frozen parameter's digest, per dtype: the lane sums over the
     elements of its own frozen shards (no collective; parameters with no element here are
-    absent). Combine the ranks' partials with ``combine``."""
+    absent). Combine the ranks' partials with ``combine``. A packed 4-bit weight's share is
+    the sum over its bytes, the same for every dtype."""
     out: dict[str, dict[str, list[int]]] = {}
     device = state.compute_device(emodel)
     device = device if device.type != "cpu" else None
+    packed = packed_nbytes(emodel)
     for piece in state.local_slices(emodel, frozen=True):
         if piece.frozen:
             per_dtype = out.setdefault(piece.name, {})
-            for dtype in dtypes:
-                sums = _lane_sums(piece.master, piece.begin, device, dtype).tolist()
+            if piece.name in packed:  # its bytes, at their positions in the weight's bytes
+                first = piece.begin * piece.master.element_size()
+                raw = piece.master.view(torch.uint8)[: max(0, packed[piece.name] - first)]
+                per_sums = dict.fromkeys(dtypes, _lane_sums(raw, first, device).tolist())
+            else:
+                per_sums = {dtype: _lane_sums(piece.master, piece.begin, device, dtype).tolist() for dtype in dtypes}
+            for dtype, sums in per_sums.items():
                 have = per_dtype.setdefault(dtype_name(dtype), [0, 0])
                 per_dtype[dtype_name(dtype)] = [(a + s) & _MASK for a, s in zip(have, sums)]
     return out

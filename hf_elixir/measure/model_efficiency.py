@@ -48,7 +48,7 @@ from hf_elixir.hardware import ComputeFigures
 from hf_elixir.measure import calibrate
 from hf_elixir.planner.pricing import price
 from hf_elixir.profile.memory import loss_of
-from hf_elixir.profile.trace import build_meta_model, make_batch
+from hf_elixir.profile.trace import build_meta_model, make_batch, rebind_patched_forwards
 from hf_elixir.vocab import torch_dtype as _torch_dtype
 from hf_elixir.runtime.host_memory import keep_freed_host_memory
 
@@ -129,6 +129,7 @@ def reduced_copy(model: nn.Module, keep: int, device: torch.device, dtype: torch
     for b in model.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta") if id(b) in dropped else b.detach().to(device, copy=True)
     out = copy.deepcopy(model, memo)
+    rebind_patched_forwards(model, out, memo)  # a forward TRL patched must run this copy
     shortened = nn.ModuleList(list(out.get_submodule(name))[:keep])
     parent, _, attr = name.rpartition(".")
     setattr(out.get_submodule(parent) if parent else out, attr, shortened)

@@ -18,6 +18,7 @@ those are the units the runtime fetches; a *fetch unit* (a mixture-of-experts bl
 from __future__ import annotations
 
 import copy
+import types
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -60,6 +61,35 @@ def _meta_packed(p: nn.Parameter) -> nn.Parameter:
     return meta
 
 
+def rebind_patched_forwards(original: nn.Module, copied: nn.Module, memo: dict[int, Any]) -> None:
+    """After ``copied = copy.deepcopy(original, memo)``: make a forward patched onto a module
+    instance run the copy, not the original model.
+
+    A wrapper set as ``module.forward = MethodType(wrapper, module)`` (TRL's fused LM head,
+    which every SFTTrainer adds) closes over the module's original bound ``forward``.
+    ``deepcopy`` rebinds the method to the copy but shares the function, closure and all, so
+    the copy's forward would run the original model (for a meta copy: the real model on meta
+    inputs, whose modules' hooks never fire and whose first op mixing a real output with a
+    meta tensor fails). Such a wrapper is rebuilt over a deep copy of its closure, through the
+    same memo, so what it closed over from the original (its bound forward, its modules) is
+    the copy's."""
+    for orig, twin in zip(original.modules(), copied.modules()):
+        patched = orig.__dict__.get("forward")
+        if not isinstance(patched, types.MethodType) or not patched.__func__.__closure__:
+            continue
+        func = patched.__func__
+        cells = []
+        for cell in func.__closure__:
+            try:
+                cells.append(types.CellType(copy.deepcopy(cell.cell_contents, memo)))
+            except ValueError:  # an empty cell
+                cells.append(types.CellType())
+        rebuilt = types.FunctionType(func.__code__, func.__globals__, func.__name__, func.__defaults__, tuple(cells))
+        rebuilt.__kwdefaults__ = func.__kwdefaults__
+        rebuilt.__dict__.update(func.__dict__)
+        twin.forward = types.MethodType(rebuilt, twin)
+
+
 def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32") -> nn.Module:
     """A copy of the model whose parameters and buffers live on the meta device.
 
@@ -83,6 +113,7 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32")
         for b in model_or_config.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
         meta = copy.deepcopy(model_or_config, memo)
+        rebind_patched_forwards(model_or_config, meta, memo)
         set_training(meta, model_or_config.training)
         return meta
     from transformers import AutoModelForCausalLM, PretrainedConfig
