@@ -9,6 +9,11 @@ pretrained weights instead of every weight: hf_elixir shards the frozen base lik
 and the output folder is a PEFT adapter that ``PeftModel.from_pretrained`` loads onto the
 base model (the script checks that it does).
 
+``--load_in_4bit true`` with ``--lora_r`` is QLoRA (``pip install -e ".[qlora]"``): the base is
+quantised to 4 bits as it loads (bitsandbytes ``BitsAndBytesConfig``, nf4) and prepared with
+PEFT's ``prepare_model_for_kbit_training``; hf_elixir shards its packed 4-bit weights like any
+frozen weight, and the adapter is checked on a freshly quantised base.
+
 The only hf_elixir-specific lines are the two imports below: ElixirTrainingArguments adds
 ``--elixir`` / ``--elixir_config`` (and turns on by itself under ``hf-elixir launch``), and
 ElixirTrainer shards the model with the plan the planner picks. Prints the held-out
@@ -33,6 +38,8 @@ from hf_elixir.integrations import ElixirTrainer, ElixirTrainingArguments
 @dataclass
 class ModelArguments:
     model_name_or_path: str = field(default="gpt2", metadata={"help": "hub id or local folder"})
+    load_in_4bit: bool = field(default=False, metadata={
+        "help": "QLoRA: quantise the base to 4 bits on load (bitsandbytes nf4); needs --lora_r"})
 
 
 @dataclass
@@ -58,6 +65,36 @@ class LoraArguments:
                           "but the output head)"})
 
 
+QLORA_INSTALL = 'pip install -e ".[qlora]"'
+
+
+def load_base(model_args: ModelArguments):
+    """The pretrained model, quantised to 4 bits on load for QLoRA: the 4-bit layers compute
+    in bf16 on a GPU, in float32 on a CPU; the weights left whole (embeddings, norms) are
+    float32, as ``prepare_model_for_kbit_training`` wants them."""
+    if not model_args.load_in_4bit:
+        return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    try:
+        import bitsandbytes  # noqa: F401
+        from transformers import BitsAndBytesConfig
+    except ImportError:
+        sys.exit(f"--load_in_4bit needs bitsandbytes and PEFT: {QLORA_INSTALL}")
+    compute = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=compute)
+    return AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path, quantization_config=quant,
+                                                dtype=torch.float32)
+
+
+def prepare_4bit(model):
+    """PEFT's preparation of a quantised base: the whole weights in float32, input gradients
+    and the model's own gradient checkpointing on (hf_elixir keeps it)."""
+    try:
+        from peft import prepare_model_for_kbit_training
+    except ImportError:
+        sys.exit(f"--load_in_4bit needs bitsandbytes and PEFT: {QLORA_INSTALL}")
+    return prepare_model_for_kbit_training(model, gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
 def with_lora(model, lora: LoraArguments):
     """``model`` with LoRA adapters (PEFT) on ``lora.lora_target_modules``; the rest frozen."""
     try:
@@ -71,9 +108,16 @@ def with_lora(model, lora: LoraArguments):
     return get_peft_model(model, config)
 
 
+def count(p: torch.Tensor) -> int:
+    """Weights in ``p``; a packed 4-bit weight holds two a byte (its quantisation state knows
+    the unpacked shape)."""
+    state = getattr(p, "quant_state", None)
+    return state.shape.numel() if state is not None and hasattr(state, "shape") else p.numel()
+
+
 def describe_trainable(model) -> str:
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(count(p) for p in model.parameters() if p.requires_grad)
+    total = sum(count(p) for p in model.parameters())
     return f"{trainable / 1e6:.2f}M of {total / 1e6:.2f}M parameters train ({100 * trainable / total:.1f}%)"
 
 
@@ -84,8 +128,14 @@ def reload_saved(model_args: ModelArguments, output_dir: str, lora: bool):
         return AutoModelForCausalLM.from_pretrained(output_dir).eval()
     from peft import PeftModel
 
-    base = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
-    return PeftModel.from_pretrained(base, output_dir).eval()
+    model = PeftModel.from_pretrained(load_base(model_args), output_dir).eval()
+    for module in model.modules():
+        # On a CPU with AVX512-bf16, bitsandbytes runs a 4-bit layer in eval mode through
+        # another kernel (its weight re-packed on first use); hf_elixir keeps that off, so the
+        # check compares the product the trained model computed
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def prompt_logits(model, ids: torch.Tensor) -> torch.Tensor:
@@ -115,9 +165,13 @@ def main() -> None:
     if lora_args.lora_r < 0:
         sys.exit(f"--lora_r must be 0 (full fine-tuning) or a positive rank, got {lora_args.lora_r}")
     use_lora = lora_args.lora_r > 0
+    if model_args.load_in_4bit and not use_lora:
+        sys.exit("--load_in_4bit trains LoRA adapters over the 4-bit base (QLoRA): give --lora_r too")
     set_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(model_args.model_name_or_path)
-    model = AutoModelForCausalLM.from_pretrained(model_args.model_name_or_path)
+    model = load_base(model_args)
+    if model_args.load_in_4bit:
+        model = prepare_4bit(model)
     if use_lora:
         model = with_lora(model, lora_args)
     block = min(data_args.block_size, getattr(model.config, "n_positions", data_args.block_size))
@@ -134,8 +188,9 @@ def main() -> None:
     text_before = sample(trainer, tokenizer, data_args.prompt, data_args.sample_tokens)
     if main_process:
         if use_lora:
+            base = "the 4-bit pretrained weights" if model_args.load_in_4bit else "the pretrained weights"
             print(f"LoRA r={lora_args.lora_r} on {lora_args.lora_target_modules}: {describe_trainable(model)}; "
-                  "the pretrained weights stay frozen", flush=True)
+                  f"{base} stay frozen", flush=True)
         print(f"held-out perplexity before: {perplexity(before):.2f}", flush=True)
         print(f"sample before: {text_before!r}", flush=True)
 
@@ -155,6 +210,8 @@ def main() -> None:
         same = tokenizer.decode(again[0], skip_special_tokens=True) == text_after
         gap = (prompt_logits(reloaded, ids) - trained_logits).abs().max().item()
         loader = "PeftModel.from_pretrained on the base" if use_lora else "from_pretrained"
+        if model_args.load_in_4bit:
+            loader += " quantised again"
         print(f"saved to {args.output_dir}; {loader} gives the same sample: {same} "
               f"(logits within {gap:.1e})", flush=True)
         if not same:

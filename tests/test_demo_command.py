@@ -5,21 +5,23 @@ from __future__ import annotations
 
 import re
 
+from demo_helpers import ADAPTED_PERPLEXITY, assert_not_degenerate, demo_cache, perplexities, sample_after
 from integration_helpers import check, hf_elixir
 
 
-def test_demo_fast_mode_lowers_held_out_perplexity(tmp_path) -> None:
-    proc = check(hf_elixir("demo", "--fast", "--output", str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache"),
+def test_demo_fast_mode_lowers_held_out_perplexity(tmp_path, tmp_path_factory) -> None:
+    cache = demo_cache(tmp_path_factory)  # shared with the --lora demo test: one pre-training
+    proc = check(hf_elixir("demo", "--fast", "--output", str(tmp_path / "out"), "--cache-dir", str(cache),
                            cwd=tmp_path, timeout=600))
     out = proc.stdout
-    assert "No model hub here: pre-training a small GPT-2 once" in out
+    assert "No model hub here: pre-training a small GPT-2 once" in out or "(cached)" in out
     assert "hf_elixir is active on 2 process(es)" in out and "Elixir plan for" in out
-    before = float(re.search(r"held-out perplexity before: ([\d.]+)", out).group(1))
-    after = float(re.search(r"held-out perplexity after: ([\d.]+)", out).group(1))
-    assert after < 0.5 * before, out[-3000:]
+    before, after = perplexities(out)
+    assert after < 0.5 * before and after < ADAPTED_PERPLEXITY, out[-3000:]
+    assert_not_degenerate(sample_after(out))
     assert "from_pretrained gives the same sample: True" in out
     assert (tmp_path / "out" / "model" / "config.json").is_file()
-    assert any((tmp_path / "cache").iterdir())  # the base model is cached for the next run
+    assert list(cache.glob("gpt2-small-demo-*/model.safetensors"))  # cached for the next run
 
 
 def test_accelerate_example_fine_tunes_a_saved_model(tmp_path) -> None:
