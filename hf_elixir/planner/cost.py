@@ -48,7 +48,9 @@ for the next pass (``fetches``).
 from __future__ import annotations
 
 import os
+from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any, Callable, Iterable, Sequence
 
 from hf_elixir.hardware import HardwareProfile
@@ -84,13 +86,18 @@ class Access:
 
 
 def access_sequence(events, module_params, work, param_chunk: dict[str, int],
-                    price: Callable[[Any], float]) -> list[Access]:
+                    price: Callable[[Any], float] | None) -> list[Access]:
     """Turn the trace into chunk accesses, each with the compute time of the operators that
-    run from it until the next one (``price`` of the trace's ``EventWork``)."""
+    run from it until the next one (``price`` of the trace's ``EventWork``; None: ``work``
+    holds those seconds already, priced once for every packing)."""
     out = []
+    chunks_of: dict[str, tuple[int, ...]] = {}  # a module's chunks: the same at every event
     for (phase, m), w in zip(events, work):
-        chunks = tuple(sorted({param_chunk[p] for p in module_params.get(m, []) if p in param_chunk}))
-        out.append(Access(phase, m, chunks, price(w)))
+        chunks = chunks_of.get(m)
+        if chunks is None:
+            chunks = chunks_of[m] = tuple(sorted({param_chunk[p] for p in module_params.get(m, [])
+                                                  if p in param_chunk}))
+        out.append(Access(phase, m, chunks, price(w) if price is not None else w))
     return out
 
 
@@ -103,21 +110,13 @@ def max_span(module_params, param_chunk: dict[str, int]) -> int:
 
 
 # ---------------------------------------------------------------------- simulation
-@dataclass
-class SimResult:
-    """One simulated step for a fixed (chunks, checkpointing, rCache, prefetch, param offload)."""
+class _GradientBuffers:
+    """The full-chunk gradient buffers of a simulated step (``buffer_spans``, ``grad_buffers``,
+    ``adopted_at``): what ``SimResult`` reports and ``SimSetup`` works out once."""
 
-    backward_end: float
-    compute: float
-    comm_busy: float
-    gathers: int
-    gather_bytes: float
-    rs_done: list[float]  # per chunk: when its reduce-scattered gradient shard is ready
-    h2d_param_bytes: float
-    runtime_copies: float = 0.0  # compute-stream time of the runtime's own copies
-    grad_buffers: list[float] = field(default_factory=list)  # per access: bytes of gradient buffers alive
-    buffer_spans: list[tuple[int, int]] = field(default_factory=list)  # per chunk: accesses [first, end)
-    adopted_at: dict[int, int] = field(default_factory=dict)  # adopting chunk -> access it adopts in
+    grad_buffers: list[float]
+    buffer_spans: list[tuple[int, int]]
+    adopted_at: dict[int, int]
 
     def buffers_of(self, chunks: Iterable[int], chunk_bytes: Sequence[float]) -> list[float]:
         """Per access, the bytes of gradient buffers alive among ``chunks`` only."""
@@ -133,6 +132,23 @@ class SimResult:
             if c in self.adopted_at:
                 out[self.adopted_at[c]] -= chunk_bytes[c]
         return out
+
+
+@dataclass
+class SimResult(_GradientBuffers):
+    """One simulated step for a fixed (chunks, checkpointing, rCache, prefetch, param offload)."""
+
+    backward_end: float
+    compute: float
+    comm_busy: float
+    gathers: int
+    gather_bytes: float
+    rs_done: list[float]  # per chunk: when its reduce-scattered gradient shard is ready
+    h2d_param_bytes: float
+    runtime_copies: float = 0.0  # compute-stream time of the runtime's own copies
+    grad_buffers: list[float] = field(default_factory=list)  # per access: bytes of gradient buffers alive
+    buffer_spans: list[tuple[int, int]] = field(default_factory=list)  # per chunk: accesses [first, end)
+    adopted_at: dict[int, int] = field(default_factory=dict)  # adopting chunk -> access it adopts in
 
 
 def buffer_bytes(spans: Sequence[tuple[int, int]], chunks: Iterable[int], chunk_bytes: Sequence[float],
@@ -214,11 +230,135 @@ def _overlap(a: Sequence[tuple[float, float]], b: Sequence[tuple[float, float]])
     return total
 
 
+@dataclass
+class SimSetup(_GradientBuffers):
+    """What ``simulate`` derives from the trace and the packing alone, never from the fetching
+    or the placements: built once per (packing, checkpointing) by ``sim_setup`` and shared by
+    every candidate simulated on it (the search simulates hundreds per packing)."""
+
+    seconds: list[float]             # per access: its operators' compute time
+    coll: list[float]                # per chunk: its gather on the communication stream
+    red: list[float]                 # per chunk: its gradient reduction
+    grad_copy: list[float]           # per chunk: parameter gradients into its buffer (compute stream)
+    shard_copy: list[float]          # per chunk: a rank's shard into the gathered block
+    finishing: dict[int, list[int]]  # access -> chunks whose last backward use it is
+    unreduced: list[int]             # trainable chunks never used in backward: reduced at the end
+    grad_buffers: list[float]        # per access: bytes of gradient buffers alive
+    buffer_spans: list[tuple[int, int]]  # per chunk: accesses [first, end) its buffer lives
+    adopted_at: dict[int, int]       # adopting chunk -> access it adopts in
+    # schedule()'s answers, by replay (kept with it, so its id is not reused)
+    _schedules: dict[int, tuple[FetchReplay, "_Schedule"]] = field(default_factory=dict, repr=False)
+
+    def schedule(self, fetches: FetchReplay) -> "_Schedule":
+        """The step's accesses under ``fetches`` as ``simulate`` walks them, made once per
+        replay: the search simulates each replay under several placements, and only the
+        gathers' durations change with the placement."""
+        made = self._schedules.get(id(fetches))
+        if made is None or made[0] is not fetches:
+            made = self._schedules[id(fetches)] = (fetches, _Schedule.of(self, fetches))
+        return made[1]
+
+
+@dataclass
+class _Schedule:
+    """The accesses of one step where something starts, waits or ends (a gather on demand, a
+    wait for a prefetch, a prefetch, a complete gradient; ``steps``), each with the run of
+    quiet accesses before it, and the sums that do not depend on when anything runs.
+
+    Each step is (seconds of the quiet accesses before it, chunks gathered on demand, chunks
+    waited for, chunks prefetched, chunks whose gradient is complete, the access's compute
+    time with the runtime's copies)."""
+
+    steps: list[tuple[list[float], list[int], list[int], list[int], list[int], float]]
+    tail: list[float]  # seconds of the quiet accesses after the last step
+    compute: float     # compute-stream seconds, summed access by access in order
+    copies: float      # of which the runtime's own copies
+
+    @classmethod
+    def of(cls, setup: SimSetup, fetches: FetchReplay) -> "_Schedule":
+        seconds, finishing = setup.seconds, setup.finishing
+        grad_copy, shard_copy = setup.grad_copy, setup.shard_copy
+        E = len(seconds)
+        by_event = fetches.by_event(E)
+        carried = list(fetches.carried)
+        works = list(seconds)  # per access: its compute, the runtime's copies included
+        steps = []
+        copies = 0.0
+        todo = 0  # the first access not yet taken
+        for e in sorted(set(by_event).union(finishing, [0] if carried and E else [])):
+            demand, waits, ahead = by_event.get(e, _NOTHING)
+            done = finishing.get(e, [])
+            work = seconds[e]
+            if done:  # gradients into their buffers
+                work = work + sum([grad_copy[c] for c in done])
+            if demand or ahead or (e == 0 and carried):  # shards into their blocks
+                work = work + sum([shard_copy[c] for c in demand + ahead + (carried if e == 0 else [])])
+            copies += work - seconds[e]
+            works[e] = work
+            steps.append((seconds[todo:e], demand, waits, ahead, done, work))
+            todo = e + 1
+        return cls(steps, seconds[todo:], _last(accumulate(works, initial=0.0)), copies)
+
+
+def sim_setup(seq: Sequence[Access], chunk_bytes: Sequence[float], world_size: int, links: Links,
+              adopted: set[int] | frozenset = frozenset(),
+              frozen: set[int] | frozenset = frozenset()) -> SimSetup:
+    """The placement-independent part of ``simulate`` (see there for the arguments)."""
+    W = world_size
+    n_chunks = len(chunk_bytes)
+    E = len(seq)
+    first_bwd = [-1] * n_chunks
+    last_bwd = [-1] * n_chunks
+    for i, a in enumerate(seq):
+        if a.phase == "backward":
+            for c in a.chunks:
+                if c in frozen:
+                    continue
+                if first_bwd[c] < 0:
+                    first_bwd[c] = i
+                last_bwd[c] = i
+    finishing: dict[int, list[int]] = {}  # event -> chunks whose last backward use it is
+    for c, i in enumerate(last_bwd):
+        if i >= 0:
+            finishing.setdefault(i, []).append(c)
+    figs = links.figs
+    # a chunk's gradient buffer is a new allocation each step; the block a shard is copied
+    # into is kept in the rCache
+    grad_copy = [figs.copy_seconds(b, fresh=True) if figs and c not in adopted else 0.0
+                 for c, b in enumerate(chunk_bytes)]
+    shard_copy = [figs.copy_seconds(b / W, fresh=False) if figs and W > 1 else 0.0 for b in chunk_bytes]
+    # The runtime keeps REDUCTIONS_IN_FLIGHT reductions pending and completes (frees) the
+    # oldest when another is issued; the rest complete when backward ends.
+    issued_at = sorted((last_bwd[c], c) for c in range(n_chunks) if last_bwd[c] >= 0)
+    begin = [-1 if c in frozen else last_bwd[c] if c in adopted else first_bwd[c] for c in range(n_chunks)]
+    spans_of = [(begin[c], E) for c in range(n_chunks)]
+    for j, (e_issue, c) in enumerate(issued_at):
+        if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
+            spans_of[c] = (begin[c], max(begin[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1))
+    return SimSetup(
+        seconds=[a.seconds for a in seq],
+        coll=[links.gather(b) for b in chunk_bytes], red=[links.reduce(b) for b in chunk_bytes],
+        grad_copy=grad_copy, shard_copy=shard_copy, finishing=finishing,
+        unreduced=[c for c in range(n_chunks) if last_bwd[c] < 0 and c not in frozen],
+        grad_buffers=buffer_bytes(spans_of, range(n_chunks), chunk_bytes, E), buffer_spans=spans_of,
+        adopted_at={c: last_bwd[c] for c in adopted if last_bwd[c] >= 0},
+    )
+
+
+def _last(values: Iterable[float]) -> float:
+    """The last of ``values`` (an iterator run to its end at C speed)."""
+    return deque(values, maxlen=1)[0]
+
+
+_NOTHING: tuple[list[int], list[int], list[int]] = ([], [], [])
+
+
 def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[float],
              world_size: int, links: Links,
              param_cpu: set[int] | frozenset = frozenset(),
              adopted: set[int] | frozenset = frozenset(),
-             frozen: set[int] | frozenset = frozenset()) -> SimResult:
+             frozen: set[int] | frozenset = frozenset(),
+             setup: SimSetup | None = None) -> SimResult:
     """Event simulation of compute and the communication stream for one step.
 
     Gathers start where the runtime starts them (``fetches``, the replay of its fetching,
@@ -242,38 +382,31 @@ def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[
 
     A chunk in ``frozen`` is gathered like any other (uploaded first when it is in
     ``param_cpu``) but has no gradient: no buffer, no copy into one and no reduction.
+
+    ``setup``: ``sim_setup`` of the same arguments, when the caller simulates many
+    candidates on one packing. Most accesses start, wait for and end nothing: their compute
+    runs back to back, summed in order at C speed (the same additions as one access at a
+    time, so the same figures to the last bit); what does not depend on the placements is
+    worked out once per replay (``SimSetup.schedule``).
     """
     W = world_size
     n_chunks = len(chunk_bytes)
-    E = len(seq)
-    coll = [links.gather(b) for b in chunk_bytes]
-    red = [links.reduce(b) for b in chunk_bytes]
-    first_bwd = [-1] * n_chunks
-    last_bwd = [-1] * n_chunks
-    for i, a in enumerate(seq):
-        if a.phase == "backward":
-            for c in a.chunks:
-                if c in frozen:
-                    continue
-                if first_bwd[c] < 0:
-                    first_bwd[c] = i
-                last_bwd[c] = i
-    finishing: dict[int, list[int]] = {}  # event -> chunks whose last backward use it is
-    for c, i in enumerate(last_bwd):
-        if i >= 0:
-            finishing.setdefault(i, []).append(c)
-    demand, waits, ahead = fetches.at_events(E)
+    if setup is None:
+        setup = sim_setup(seq, chunk_bytes, world_size, links, adopted, frozen)
+    coll, red = setup.coll, setup.red
+    carried = list(fetches.carried)
 
     comm = 0.0
     busy = 0.0
     gathers = 0
     h2d_bytes = 0.0
     gathered = 0.0
-    copies = 0.0
     ready = [0.0] * n_chunks  # when the latest gather of each chunk completes
     rs_done = [0.0] * n_chunks
     spans: dict[str, list[tuple[float, float]]] = {"gather": [], "reduce": []}
     computing: list[tuple[float, float]] = []
+    # the compute intervals matter only where communication beside compute slows it
+    overlapping = links.gather_overlap != 1.0 or links.reduce_overlap != 1.0
 
     def on_stream(kind: str, dur: float, at: float) -> float:
         nonlocal comm, busy
@@ -283,72 +416,76 @@ def simulate(seq: Sequence[Access], fetches: FetchReplay, chunk_bytes: Sequence[
         spans[kind].append((start, comm))
         return comm
 
-    def gather(c: int, at: float) -> None:
-        nonlocal gathers, h2d_bytes, gathered
-        dur = coll[c]
-        if c in param_cpu:
-            dur += chunk_bytes[c] / W * links.h2d_per_byte
-            h2d_bytes += chunk_bytes[c] / W
-        ready[c] = on_stream("gather", dur, at)
-        gathers += 1
-        gathered += chunk_bytes[c]
+    # a gather's time on the stream, an offloaded shard's upload included
+    up = [b / W if c in param_cpu else 0.0 for c, b in enumerate(chunk_bytes)]
+    dur_of = [coll[c] + up[c] * links.h2d_per_byte if c in param_cpu else coll[c] for c in range(n_chunks)]
+    gather_spans = spans["gather"]
 
-    figs = links.figs
-    # a chunk's gradient buffer is a new allocation each step; the block a shard is copied
-    # into is kept in the rCache
-    grad_copy = [figs.copy_seconds(b, fresh=True) if figs and c not in adopted else 0.0
-                 for c, b in enumerate(chunk_bytes)]
-    shard_copy = [figs.copy_seconds(b / W, fresh=False) if figs and W > 1 else 0.0 for b in chunk_bytes]
-    for c in fetches.carried:  # started by the previous step's optimizer step
-        gather(c, 0.0)
+    def gather(chunks: Iterable[int], at: float) -> None:
+        """Gathers of ``chunks`` queued on the stream at ``at``, one after another."""
+        nonlocal comm, busy, gathers, h2d_bytes, gathered
+        for c in chunks:
+            if c in param_cpu:
+                h2d_bytes += up[c]
+            dur = dur_of[c]
+            start = at if at > comm else comm  # max(comm, at)
+            comm = start + dur
+            busy += dur
+            if overlapping:
+                gather_spans.append((start, comm))
+            ready[c] = comm
+            gathers += 1
+            gathered += chunk_bytes[c]
+
+    gather(carried, 0.0)  # started by the previous step's optimizer step
+    sched = setup.schedule(fetches)
     t = 0.0
-    compute = 0.0
-    for e in range(E):
-        done = finishing.get(e, ())
-        if not (demand[e] or waits[e] or ahead[e] or done or (e == 0 and fetches.carried)):
-            # nothing starts, waits or ends here: the event's own compute only (most events)
-            work = seq[e].seconds
-            computing.append((t, t + work))
-            t += work
-            compute += work
-            continue
-        for c in demand[e]:
-            gather(c, t)
-        start = max([t] + [ready[c] for c in demand[e] + waits[e]])
-        for c in ahead[e]:
-            gather(c, start)
-        started = demand[e] + ahead[e] + (list(fetches.carried) if e == 0 else [])
-        work = (seq[e].seconds + sum(grad_copy[c] for c in done)
-                + sum(shard_copy[c] for c in started))
-        copies += work - seq[e].seconds
+    # the accesses where a gather starts, one is waited for or a gradient is complete, each
+    # after a run of accesses that only compute: summed one after another as they run
+    for run, demand, waits, ahead, done, work in sched.steps + [(sched.tail, [], [], [], [], None)]:
+        if len(run) == 1:
+            if overlapping:
+                computing.append((t, t + run[0]))
+            t += run[0]
+        elif run:
+            if overlapping:
+                ends = list(accumulate(run, initial=t))
+                computing.extend(zip(ends, ends[1:]))
+                t = ends[-1]
+            else:
+                t = _last(accumulate(run, initial=t))
+        if work is None:  # the quiet accesses after the last step
+            break
+        if demand:
+            gather(demand, t)
+        start = t  # once every chunk it needs is ready: max(t, ready of each)
+        for c in demand:
+            if ready[c] > start:
+                start = ready[c]
+        for c in waits:
+            if ready[c] > start:
+                start = ready[c]
+        if ahead:
+            gather(ahead, start)
         t = start + work
-        computing.append((start, t))
-        compute += work
+        if overlapping:
+            computing.append((start, t))
         for c in done:
             rs_done[c] = on_stream("reduce", red[c], t)
-    for c in range(n_chunks):
-        if last_bwd[c] < 0 and c not in frozen:  # never used in backward: reduced at the end
-            rs_done[c] = on_stream("reduce", red[c], t)
+    compute, copies = sched.compute, sched.copies
+    for c in setup.unreduced:  # never used in backward: reduced at the end
+        rs_done[c] = on_stream("reduce", red[c], t)
     end = max(t, comm)
     # communication the stream ran beside compute slowed compute by what did not hide
     # (a share that hides whole, as on a GPU, needs no intersection)
     slowed = [(1.0 - share) * _overlap(spans[kind], computing) if share != 1.0 else 0.0
               for kind, share in (("gather", links.gather_overlap), ("reduce", links.reduce_overlap))]
     end += slowed[0] + slowed[1]
-    # The runtime keeps REDUCTIONS_IN_FLIGHT reductions pending and completes (frees) the
-    # oldest when another is issued; the rest complete when backward ends.
-    issued_at = sorted((last_bwd[c], c) for c in range(n_chunks) if last_bwd[c] >= 0)
-    begin = [-1 if c in frozen else last_bwd[c] if c in adopted else first_bwd[c] for c in range(n_chunks)]
-    spans_of = [(begin[c], E) for c in range(n_chunks)]
-    for j, (e_issue, c) in enumerate(issued_at):
-        if j + REDUCTIONS_IN_FLIGHT < len(issued_at):
-            spans_of[c] = (begin[c], max(begin[c], issued_at[j + REDUCTIONS_IN_FLIGHT][0] + 1))
-    buffers = buffer_bytes(spans_of, range(n_chunks), chunk_bytes, E)
     return SimResult(backward_end=end, compute=compute, comm_busy=busy, gathers=gathers,
                      gather_bytes=gathered * (W - 1) / max(W, 1),
                      rs_done=rs_done, h2d_param_bytes=h2d_bytes, runtime_copies=copies,
-                     grad_buffers=buffers, buffer_spans=spans_of,
-                     adopted_at={c: last_bwd[c] for c in adopted if last_bwd[c] >= 0})
+                     grad_buffers=setup.grad_buffers, buffer_spans=setup.buffer_spans,
+                     adopted_at=setup.adopted_at)
 
 
 def after_backward(shard_elems: float, figs, hw: HardwareProfile, world_size: int) -> float:

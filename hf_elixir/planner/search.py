@@ -25,9 +25,11 @@ candidate — no offload, every chunk cached — is chosen.
 
 from __future__ import annotations
 
+import functools
+import gc
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
 
 import torch
 from torch import nn
@@ -43,6 +45,7 @@ from hf_elixir.profile.params import chunked_parameters, model_signature
 from hf_elixir.profile.profiler import ModelProfile, model_checkpoints, profile_model
 from hf_elixir.vocab import format_bytes
 
+T = TypeVar("T")
 OPTIMIZERS = ("adamw", "adam", "sgd")
 PREFETCH_DEPTHS = (0, 1, 2)
 MAX_GRID = 128
@@ -70,6 +73,26 @@ def _rcache_grid(lo: int, hi: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------- enumeration
+def _collector_paused(search: Callable[..., T]) -> Callable[..., T]:
+    """Run ``search`` with Python's cyclic garbage collector paused (restored after).
+
+    The search makes millions of small tuples and lists, none of them in reference cycles,
+    so reference counting frees them all the same; but each burst of them sets off the
+    collector, whose full passes walk every live object, the model's traces included: about
+    a third of the search on a 70B trace."""
+    @functools.wraps(search)
+    def paused(*args: Any, **kwargs: Any) -> T:
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            return search(*args, **kwargs)
+        finally:
+            if enabled:
+                gc.enable()
+    return paused
+
+
+@_collector_paused
 def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size: int,
                          compute_dtype: str, optimizer: str,
                          efficiency: float | None = None) -> tuple[list[Candidate], dict]:
@@ -89,6 +112,8 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     price = lambda w: pricing.price(w, figs, compute_dtype) + figs.event_overhead  # noqa: E731
     context = hw.context_bytes if hw.device_type == "cuda" else 0
     modes = [False] + ([True] if profile.checkpointed is not None else [])
+    # each event's compute is the same whatever the packing: priced once
+    priced = {ckpt: [price(w) for w in profile.step(ckpt).trace.work] for ckpt in modes}
     packings: dict[int, list[list[str]]] = {}
     out: list[Candidate] = []
     for S in packing.chunk_size_candidates(sizes.values(), world_size):
@@ -107,20 +132,19 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
         for ckpt in modes:
             step = profile.step(ckpt)
             tr = step.trace
-            seq = cost.access_sequence(tr.events, tr.module_params, tr.work, param_chunk, price)
+            seq = cost.access_sequence(tr.events, tr.module_params, priced[ckpt], param_chunk, None)
             requests = fetches.fetch_ops(tr.pins, tr.module_params, param_chunk, n, tr.events)
             span = cost.max_span(tr.module_params, param_chunk)
             nested = rcache_minimum(tr.pins, tr.module_params, chunks)
             live = tr.live or [(0, step.memory.peak)] * len(seq)
+            setup = cost.sim_setup(seq, chunk_bytes, world_size, links, adopted, frozen)
             ctx = _Context(S, n, ckpt, elems, cb, world_size, compute_dtype, optimizer,
-                           profile.buffer_bytes, context, hw, figs, live, frozen, trainable)
+                           profile.buffer_bytes, context, hw, figs, live, frozen, trainable, setup)
+            replayed = _Replays(requests, world_size, frozen)
 
-            def simulated(R: int, d: int, on_host: frozenset[int], replayed: fetches.FetchReplay):
-                # host shards change the fetching only at world size 1 (in place otherwise)
-                if world_size == 1 and on_host:
-                    replayed = fetches.replay(requests, R, d, world_size, on_host, frozen)
-                sim = cost.simulate(seq, replayed, chunk_bytes, world_size, links, param_cpu=on_host,
-                                    adopted=adopted, frozen=frozen)
+            def simulated(R: int, d: int, on_host: frozenset[int]):
+                sim = cost.simulate(seq, replayed(R, d, on_host), chunk_bytes, world_size, links,
+                                    param_cpu=on_host, adopted=adopted, frozen=frozen, setup=setup)
                 ends = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw,
                                          ranks_per_node, trainable)
                 return sim, ends
@@ -129,12 +153,11 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                 r_min = max(2, span + max(1, d), nested)
                 r_max = max(n, r_min)
                 for R in _rcache_grid(r_min, r_max):
-                    replayed = fetches.replay(requests, R, d, world_size, frozenset(), frozen)
                     # frozen chunks' shards on the CPU (the tail first), each count with every
                     # count of offloaded optimizers; only with prefetch, which is what hides
                     # their uploads (without, the same memory is always faster with prefetch)
                     for f in _grid(0, nf, FROZEN_GRID) if d else [0]:
-                        sim, cpu_end = simulated(R, d, frozenset(fz[nf - f:]), replayed)
+                        sim, cpu_end = simulated(R, d, frozenset(fz[nf - f:]))
                         for k in _grid(0, nt):
                             out.append(_candidate(ctx, R, d, k, 0, f, sim, cpu_end[k]))
                     if d == 1 and R == r_min and nt:
@@ -142,7 +165,7 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                         # frozen chunk (read-only, they go first)
                         for p in _grid(1, nt, 16):
                             on_host = frozenset(trainable[nt - p:]) | frozen
-                            sim_p, cpu_end_p = simulated(R, d, on_host, replayed)
+                            sim_p, cpu_end_p = simulated(R, d, on_host)
                             out.append(_candidate(ctx, R, d, nt, p, nf, sim_p, cpu_end_p[nt]))
     return out, packings
 
@@ -151,6 +174,29 @@ def frozen_chunk_ids(chunks: list[list[str]], frozen_names: frozenset[str] | set
     """The chunks of a packing (``packing.pack``) that hold frozen parameters: a chunk holds one
     kind only, so its first parameter tells."""
     return frozenset(i for i, c in enumerate(chunks) if c and c[0] in frozen_names)
+
+
+class _Replays:
+    """The fetch replays of one request sequence (one packing, checkpointing on or off), each
+    made once. The search asks for the same one many times: at world size 2 and more every
+    placement of one (rCache, prefetch) shares a replay (shards are gathered whether they lie
+    on the device or the CPU); at world size 1 a shard on the device is its own block, so
+    only offloaded chunks take blocks, and every rCache at least as large as their number
+    replays alike (no block is ever short: nothing is evicted)."""
+
+    def __init__(self, requests: fetches.Requests, world_size: int, frozen: frozenset[int]) -> None:
+        self.requests, self.world_size, self.frozen = requests, world_size, frozen
+        self.made: dict[tuple, fetches.FetchReplay] = {}
+
+    def __call__(self, blocks: int, prefetch: int, on_host: frozenset[int]) -> fetches.FetchReplay:
+        if self.world_size == 1:
+            key = (min(blocks, len(on_host)), prefetch, on_host)
+        else:
+            key = (blocks, prefetch, frozenset())  # the placement does not change the fetching
+        if key not in self.made:
+            self.made[key] = fetches.replay(self.requests, blocks, prefetch, self.world_size,
+                                            on_host if self.world_size == 1 else frozenset(), self.frozen)
+        return self.made[key]
 
 
 @dataclass
@@ -172,6 +218,21 @@ class _Context:
     live: list
     frozen: frozenset[int]
     trainable: list[int]
+    setup: cost.SimSetup  # the simulation's placement-independent part
+    _peaks: dict = field(default_factory=dict, repr=False)
+
+    def buffer_peak(self, buffered: list[int]) -> tuple[float, float, float]:
+        """For full-chunk gradient buffers of the chunks ``buffered``: the most bytes of them
+        alive at once (what the runtime's ledger sees), and activations and buffers at the
+        instant their sum peaks (``cost.aligned_peak``). Neither depends on the fetching or the
+        placements, so each set is worked out once."""
+        key = tuple(buffered)
+        if key not in self._peaks:
+            chunk_bytes = [e * self.cb for e in self.elems]
+            ledger = self.setup.buffers_of(buffered, chunk_bytes)
+            beyond = self.setup.beyond_trace(ledger, buffered, chunk_bytes)
+            self._peaks[key] = (max(ledger, default=0.0), *cost.aligned_peak(self.live, beyond))
+        return self._peaks[key]
 
 
 def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.SimResult,
@@ -183,16 +244,14 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.Si
     nt = len(x.trainable)
     # one rank adds gradients straight into device gradient shards: only chunks whose
     # optimizer (and so gradient shard) is offloaded need a full-chunk buffer
-    chunk_bytes = [e * cb for e in x.elems]
     buffered = x.trainable if W > 1 else x.trainable[nt - k:]
-    ledger_buffers = sim.buffers_of(buffered, chunk_bytes)
-    act, buf = cost.aligned_peak(x.live, sim.beyond_trace(ledger_buffers, buffered, chunk_bytes))
+    ledger_buffers, act, buf = x.buffer_peak(buffered)
     mem = cost.memory(x.elems, W, x.dtype, x.optimizer, R, places, act, x.whole, x.context, buf,
                       cost.allocator_margin(hw))
     # what the runtime's ledger holds at its own peak (no activations, no buffers): its
     # gradient buffers peak later in backward than the step's total does
     ledger_peak = int(mem.parameters + mem.frozen_shards + mem.master_weights + mem.optimizer_state
-                      + mem.rcache + mem.gradients - buf + max(ledger_buffers, default=0.0))
+                      + mem.rcache + mem.gradients - buf + ledger_buffers)
     shards = [e / W for e in x.elems]
     off = sum(shards[i] for i in x.trainable[nt - k:])
     off_params = sum(shards[i] for i in x.trainable[nt - p:])
