@@ -254,10 +254,11 @@ def _apply(emodel, eoptimizer, scheduler, prep: dict) -> dict[str, Any]:
     source: SavedSlices = prep["source"]
     index = prep["index"]
     state.release_all(emodel)
-    for s in state.local_slices(emodel, frozen=True):
-        if s.frozen and s.name not in source.untracked:
-            continue  # not stored: the model's own values (checked by digest) stay
-        source.read(s.name, s.begin, s.end, s.master)
+    for piece in state.chunk_slices(emodel, frozen=True, write=True):  # one chunk at a time
+        for s in piece:
+            if s.frozen and s.name not in source.untracked:
+                continue  # not stored: the model's own values (checked by digest) stay
+            source.read(s.name, s.begin, s.end, s.master)
     state.publish_masters(emodel)
     for name, tensor in prep["untracked"]:
         buf = torch.empty(tensor.numel(), dtype=torch.float32) if tensor.is_floating_point() else None
@@ -268,13 +269,14 @@ def _apply(emodel, eoptimizer, scheduler, prep: dict) -> dict[str, Any]:
             tensor.data.copy_(source.reader(UNTRACKED_NAME).read_tensor(name))
     if eoptimizer is not None:
         state_names = index["optimizer"]["state_names"]
-        for s in state.local_slices(emodel, eoptimizer):
-            saved = s.name in source.params
-            for sname in state_names:
-                if saved:
-                    source.read(s.name, s.begin, s.end, s.state[sname], state=sname)
-                else:
-                    s.state[sname].zero_()
+        for piece in state.chunk_slices(emodel, eoptimizer, write=True):
+            for s in piece:
+                saved = s.name in source.params
+                for sname in state_names:
+                    if saved:
+                        source.read(s.name, s.begin, s.end, s.state[sname], state=sname)
+                    else:
+                        s.state[sname].zero_()
         state.write_counters(eoptimizer, prep["counters"])
         for own, saved in zip(eoptimizer.param_groups, prep["opt_state"]["param_groups"]):
             for k, v in saved.items():

@@ -48,7 +48,7 @@ from hf_elixir.checkpoint.index import (
     EXTRA_NAME, FORMAT, FORMAT_VERSION, INDEX_NAME, OPTIMIZER_STATE_NAME, PLAIN_FORMAT_VERSION,
     SCHEDULER_NAME, UNTRACKED_NAME, model_file, optimizer_file, read_index,
 )
-from hf_elixir.checkpoint.io import dtype_name, file_sha256, write_json, write_safetensors
+from hf_elixir.checkpoint.io import SafetensorsWriter, TensorSpec, dtype_name, file_sha256, write_json, write_safetensors
 from hf_elixir.runtime import state
 
 
@@ -146,26 +146,38 @@ def _prepare_target(final: Path) -> None:
 
 
 def _write_rank_files(emodel, eoptimizer, tmp: Path, fault) -> dict[str, Any]:
-    """This rank's model and optimizer shards, written straight from the flat shards."""
+    """This rank's model and optimizer shards, written straight from the flat shards, one
+    chunk at a time (a chunk on the disk tier is read into its ring for the time it takes)."""
     rank, world = emodel.comm.rank, emodel.comm.world_size
     meta = {"format": "pt", "hf_elixir": "sharded", "rank": str(rank), "world_size": str(world)}
     files: dict[str, dict] = {}
-    local = state.local_slices(emodel, eoptimizer)
+    local = state.local_slices(emodel, eoptimizer)  # the names and sizes: the files' headers
 
     name = model_file(rank, world)
-    size, digest = write_safetensors(tmp / name, [(s.name, s.master) for s in local], metadata=meta, fault=fault)
+    writer = SafetensorsWriter(tmp / name, [TensorSpec(s.name, s.master.dtype, tuple(s.master.shape)) for s in local],
+                               meta, before_write=fault)
+    for piece in state.chunk_slices(emodel):
+        for s in piece:
+            writer.write(s.name, s.master)
+    size, digest = writer.close(before_fsync=fault)
     files[name] = {"size": size, "sha256": digest, "rank": rank, "kind": "model"}
 
     if eoptimizer is not None:
         counters = state.read_counters(eoptimizer)
-        items: list[tuple[str, torch.Tensor]] = []
+        specs: list[TensorSpec] = []
         for s in local:
-            items += [(f"{s.name}/{sname}", view) for sname, view in s.state.items()]
-            items.append((f"{s.name}/step", state.step_tensor(eoptimizer, s.slot)))
+            specs += [TensorSpec(f"{s.name}/{sname}", view.dtype, tuple(view.shape)) for sname, view in s.state.items()]
+            specs.append(TensorSpec(f"{s.name}/step", torch.float32, ()))
         started = [s.name for s in local if s.name in counters.momentum_started]
         name = optimizer_file(rank, world)
-        size, digest = write_safetensors(
-            tmp / name, items, metadata={**meta, "momentum_started": json.dumps(started)}, fault=fault)
+        writer = SafetensorsWriter(tmp / name, specs, {**meta, "momentum_started": json.dumps(started)},
+                                   before_write=fault)
+        for piece in state.chunk_slices(emodel, eoptimizer):
+            for s in piece:
+                for sname, view in s.state.items():
+                    writer.write(f"{s.name}/{sname}", view)
+                writer.write(f"{s.name}/step", state.step_tensor(eoptimizer, s.slot))
+        size, digest = writer.close(before_fsync=fault)
         files[name] = {"size": size, "sha256": digest, "rank": rank, "kind": "optimizer"}
     return files
 

@@ -25,8 +25,11 @@ from hf_elixir.vocab import DTYPES, HfElixirError
 
 PLAN_FORMAT_VERSION = 1
 
-Placement = Literal["device", "cpu"]
+Placement = Literal["device", "cpu", "disk"]
 _PLACEMENTS = ("device", "cpu")
+#: a trainable chunk's fp32 master and optimizer state may also live in files on a disk
+#: (the runtime's disk tier, ``runtime/disk_tier.py``); parameter shards may not
+_OPTIM_PLACEMENTS = ("device", "cpu", "disk")
 
 
 class PlanError(HfElixirError, ValueError):
@@ -69,6 +72,8 @@ class ChunkPlan:
     A *frozen* chunk packs parameters that need no gradient: it holds only compute-dtype
     shards (no fp32 master, no gradient buffer, no reduce-scatter, no optimizer state), so
     ``optim_placement`` means nothing for it; ``param_placement="cpu"`` offloads its shards.
+    ``optim_placement="disk"`` keeps a trainable chunk's fp32 master and optimizer state in
+    files under the run's ``nvme_path`` (the disk tier), updated on the host.
     """
 
     params: list[str]
@@ -296,8 +301,9 @@ class ElixirPlan:
         if self.micro_batch_split < 1:
             raise PlanError(f"micro_batch_split must be >= 1, got {self.micro_batch_split}")
         for i, c in enumerate(self.chunks):
-            if c.optim_placement not in _PLACEMENTS or c.param_placement not in _PLACEMENTS:
-                raise PlanError(f"chunk {i}: placements must be one of {_PLACEMENTS}")
+            if c.optim_placement not in _OPTIM_PLACEMENTS or c.param_placement not in _PLACEMENTS:
+                raise PlanError(f"chunk {i}: optim_placement must be one of {_OPTIM_PLACEMENTS} and "
+                                f"param_placement one of {_PLACEMENTS}")
         seen: dict[str, int] = {}
         for i, c in enumerate(self.chunks):
             if not c.params:

@@ -112,6 +112,9 @@ class Chunk:
     # a frozen chunk holds parameters that need no gradient: its shard is all it has (the
     # master aliases it, the gradient shard is empty, it is never reduced or updated)
     frozen: bool = False
+    # on the disk tier (runtime/disk_tier.py): ``master`` (unless it is the shard) and the
+    # optimizer state live in files; in memory they are meta stand-ins
+    disk: bool = False
 
     @property
     def shard_size(self) -> int:

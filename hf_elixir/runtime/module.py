@@ -25,6 +25,7 @@ from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.devices import move_to_device, pinned_pool, resolve_device
+from hf_elixir.runtime.disk_tier import DiskTier, open_chunk, prepare as prepare_disk
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager, in_backward
 from hf_elixir.runtime.host_update import HostUpdates
@@ -59,6 +60,8 @@ class ElixirModule(nn.Module):
         recover_oom: when a training step runs out of memory, re-plan and redo it instead of
             failing (runtime/recovery.py).
         replanner: ``(plan, attempt) -> plan`` for a recovery (default: ``planner.replan.tighten``).
+        nvme_path: the directory for chunks the plan keeps on disk (default ``ELIXIR_NVME_PATH``;
+            runtime/disk_tier.py).
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class ElixirModule(nn.Module):
         sync_module_states: bool = True,
         recover_oom: bool = True,
         replanner: Optional[Replanner] = None,
+        nvme_path: Optional[str] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ElixirModule wraps an nn.Module, got {type(model).__name__}")
@@ -90,6 +94,7 @@ class ElixirModule(nn.Module):
                 f"the plan checkpoints activations but {type(model).__name__} has no "
                 "gradient_checkpointing_enable(); make a plan without activation checkpointing"
             )
+        disk_plan = prepare_disk(plan, model, world_size, resolve_device(device), nvme_path)
         # ---- validated: from here on the model is changed
         super().__init__()
         self.module = model
@@ -107,6 +112,8 @@ class ElixirModule(nn.Module):
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.ledger = MemoryLedger()
         self.dtype = plan.dtype
+        #: chunks whose master and optimizer state live in files (runtime/disk_tier.py)
+        self.disk: Optional[DiskTier] = disk_plan.open(self.comm.rank) if disk_plan is not None else None
         # one element of storage, viewed at each released parameter's own shape with zero
         # strides (released.py): no memory, yet autograd records the real shape when a
         # released weight enters a custom Function (whose apply() bypasses __torch_function__)
@@ -196,7 +203,7 @@ class ElixirModule(nn.Module):
             return {}, {}
         W = self.comm.world_size
         offloaded = [i for i, c in enumerate(self.plan.chunks) if c.param_placement == "cpu"]
-        staged = [i for i, c in enumerate(self.plan.chunks) if c.optim_placement == "cpu" and not c.frozen]
+        staged = [i for i, c in enumerate(self.plan.chunks) if c.optim_placement != "device" and not c.frozen]
         pools = []
         for ids in (offloaded, staged):
             views = pinned_pool(self.dtype, [layout[i][0] // W for i in ids]) if ids else []
@@ -245,6 +252,8 @@ class ElixirModule(nn.Module):
                 shard = local.to(param_dev, dtype=self.dtype, copy=True)
             if cplan.frozen or (self.dtype == torch.float32 and param_dev == optim_dev):
                 master = shard  # a frozen chunk has no master: it never changes
+            elif self.disk is not None and self.disk.holds(cid):
+                master = self.disk.put_master(cid, local.to("cpu", torch.float32))
             else:
                 master = local.to(optim_dev, dtype=torch.float32, copy=True)
             grad_size = 0 if cplan.frozen else shard_size
@@ -256,7 +265,7 @@ class ElixirModule(nn.Module):
                 grad_shard=torch.zeros(grad_size, dtype=torch.float32, device=optim_dev),
                 full=shard if in_place else torch.empty(size, dtype=self.dtype, device=self.device),
                 copy_stream=self.copy_stream, staging=None if cplan.frozen else staging.get(cid),
-                frozen=cplan.frozen,
+                frozen=cplan.frozen, disk=self.disk is not None and self.disk.holds(cid),
             )
             if not in_place:
                 chunk.full.untyped_storage().resize_(0)
@@ -362,6 +371,8 @@ class ElixirModule(nn.Module):
         raises a clear error on its next collective (a forward, a step, a save), so save
         before closing."""
         self.drain()
+        if self.disk is not None:  # its files are removed: the state they held is gone
+            self.disk.close()
         self.comm.close()
 
     def release_all(self, keep_frozen: bool = False) -> None:
@@ -486,7 +497,8 @@ class ElixirModule(nn.Module):
         full = torch.empty(chunk.size, dtype=dtype, device=self.device)
         self.ledger.add("temporary", full.numel() * dtype.itemsize)
         try:
-            self.comm.all_gather(full, chunk.master.to(self.device, dtype=dtype)).wait()
+            with open_chunk(self.disk, chunk) as (master, _):
+                self.comm.all_gather(full, master.to(self.device, dtype=dtype)).wait()
         finally:
             self.ledger.sub("temporary", full.numel() * dtype.itemsize)
         return full
@@ -570,7 +582,8 @@ class ElixirModule(nn.Module):
                 else:
                     slot.view(flat).copy_(state_dict[key].reshape(slot.shape))
             local = flat[rank * chunk.shard_size : (rank + 1) * chunk.shard_size]
-            chunk.master.copy_(local)
+            with open_chunk(self.disk, chunk, write=True) as (master, _):
+                master.copy_(local)
             if not chunk.master_aliased:
                 chunk.shard.copy_(local)
         slot_params = {id(s.param) for s in self.slots}

@@ -20,6 +20,7 @@ from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
 
 from hf_elixir.runtime.chunk import Chunk, Slot
+from hf_elixir.runtime.disk_tier import batch_views, open_chunk
 from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
 from hf_elixir.runtime.recovery import MicroBatch, model_loss
@@ -98,9 +99,11 @@ class ElixirOptimizer(Optimizer):
         )
         self._grads_unscaled = False
         self.overlap_host = overlap_host
-        #: chunks whose state the plan keeps on the host: updated behind the next forward
+        #: chunks whose state the plan keeps on the host (in memory or, the disk tier, in
+        #: files): updated behind the next forward
         self.host_chunks = frozenset(i for i, c in enumerate(module.plan.chunks)
-                                     if c.optim_placement == "cpu" and not c.frozen)
+                                     if c.optim_placement in ("cpu", "disk") and not c.frozen)
+        self.disk_chunks = frozenset(c.index for c in module.chunks if c.disk)
         self._build_state()
 
     # ------------------------------------------------------------------ state
@@ -112,6 +115,8 @@ class ElixirOptimizer(Optimizer):
         if self.algorithm == "sgd" and all(g.get("momentum", 0) == 0 for g in self.param_groups):
             names = ()
         self.state_names: tuple[str, ...] = names
+        if self.module.disk is not None:  # fresh state in the files: zeros
+            self.module.disk.set_state_names(names)
         for chunk in self.module.chunks:
             if chunk.frozen:  # no gradient, no update, no state
                 self.flat_state.append({})
@@ -123,6 +128,8 @@ class ElixirOptimizer(Optimizer):
         self._momentum_started: set[int] = set()
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
+        if chunk.disk:  # in the disk tier's files; in memory a stand-in that cannot be used
+            return torch.empty(chunk.shard_size, dtype=torch.float32, device="meta")
         # never pinned: moments on the host stay there (only transferred buffers are pinned)
         t = torch.zeros(chunk.shard_size, dtype=torch.float32, device=chunk.optim_device)
         if chunk.optim_device == chunk.device and self.module.plan.chunks[chunk.index].optim_placement == "device":
@@ -253,7 +260,8 @@ class ElixirOptimizer(Optimizer):
                 continue
             for name in names:
                 full = torch.empty(chunk.size, dtype=torch.float32, device=chunk.device)
-                self.module.comm.all_gather(full, flat[name].to(chunk.device)).wait()
+                with open_chunk(self.module.disk, chunk, flat) as (_, local):  # one chunk at a time
+                    self.module.comm.all_gather(full, local[name].to(chunk.device)).wait()
                 full = full.cpu()
                 for slot in chunk.slots:
                     per_slot[slot.index][name] = full[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
@@ -308,24 +316,30 @@ class ElixirOptimizer(Optimizer):
                     own[k] = v
         by_slot = {index[int(i)].index: e for i, e in state_dict["state"].items() if index.get(int(i))}
         self._momentum_started.clear()
-        for chunk, flat in zip(self.module.chunks, self.flat_state):
+        for chunk, flat_state in zip(self.module.chunks, self.flat_state):
             if chunk.frozen:
                 continue
-            for slot, begin, end, pbegin in chunk.local_slices():
-                entry = by_slot.get(slot.index, {})
-                for name in names:
-                    src = entry.get(name)
-                    view = flat[name][begin:end]
-                    if src is None:
-                        view.zero_()
-                    else:
-                        view.copy_(src.reshape(-1)[pbegin : pbegin + end - begin])
-                        if name == "momentum_buffer":
-                            self._momentum_started.add(slot.index)
-                if slot.index in self.steps:
-                    self.steps[slot.index].fill_(float(entry.get("step", 0.0)))
+            with open_chunk(self.module.disk, chunk, flat_state, write=True) as (_, flat):
+                self._load_chunk(chunk, flat, by_slot)
         if self.scaler is not None and "loss_scaler" in state_dict:
             self.scaler.load_state_dict(state_dict["loss_scaler"])
+
+    def _load_chunk(self, chunk: Chunk, flat: dict[str, torch.Tensor], by_slot: dict[int, dict]) -> None:
+        """One chunk's part of ``load_state_dict``."""
+        names = self.state_names
+        for slot, begin, end, pbegin in chunk.local_slices():
+            entry = by_slot.get(slot.index, {})
+            for name in names:
+                src = entry.get(name)
+                view = flat[name][begin:end]
+                if src is None:
+                    view.zero_()
+                else:
+                    view.copy_(src.reshape(-1)[pbegin : pbegin + end - begin])
+                    if name == "momentum_buffer":
+                        self._momentum_started.add(slot.index)
+            if slot.index in self.steps:
+                self.steps[slot.index].fill_(float(entry.get("step", 0.0)))
 
     # ------------------------------------------------------------------ step
     def momentum_started(self, slot: int) -> bool:
@@ -395,10 +409,13 @@ class ElixirOptimizer(Optimizer):
                 if not active[slot.index] or slot.index not in self.group_of_slot:
                     continue
                 b = batches[(key_chunk, self.group_of_slot[slot.index], chunk.optim_device)]
-                b["params"].append(chunk.master[begin:end])
                 b["grads"].append(chunk.grad_shard[begin:end])
                 b["steps"].append(self.steps[slot.index])
                 b["slots"].append(slot.index)
+                if chunk.disk:  # master and state views are taken once its planes are read
+                    b["ranges"].append((begin, end))
+                    continue
+                b["params"].append(chunk.master[begin:end])
                 for name, flat in state.items():
                     b[name].append(flat[begin:end])
         # device shards first (asynchronous on a GPU, they run while the CPU works), then
@@ -435,6 +452,15 @@ class ElixirOptimizer(Optimizer):
             background = [key for key in order if key[0] in host_state]
             order = [key for key in order if key[0] not in host_state]
             self._start_background(background, batches, readers_done)
+        elif self.disk_chunks:  # read ahead and written behind as on the thread, but here
+            start = clock.now()
+            disk = [key for key in order if key[0] in self.disk_chunks]
+            order = [key for key in order if key[0] not in self.disk_chunks]
+            for _, update, publish in self._host_jobs(disk, batches, readers_done, self.param_groups,
+                                                      self.disk_chunks):
+                update()
+                publish()
+            clock.host_phase("cpu_optimizer", start)
         for i, key in enumerate(order):
             if key[0] in host_state:  # merged device-state batches (chunk -1) are on the device
                 start = clock.now()
@@ -462,6 +488,20 @@ class ElixirOptimizer(Optimizer):
         """Queue the host-state chunks' updates (``keys``, one or more per chunk: one per
         parameter group) on the host thread, in the order the next forward first uses
         them (the recorded trace; index order before there is one)."""
+        # the hyperparameters of this step: an LR scheduler stepped after step() returns
+        # changes the groups while the thread still works
+        groups = [_frozen_group(g) for g in self.param_groups]
+        jobs = self._host_jobs(keys, batches, readers_done, groups, self.host_chunks)
+        chunks = self.module.chunks
+        self.module.host_updates.start(jobs, zero=lambda cid: chunks[cid].grad_shard.zero_())
+
+    def _host_jobs(self, keys: list[tuple], batches: dict[tuple, dict[str, list]],
+                   readers_done: Optional[torch.cuda.Event], groups: list[dict],
+                   queued: frozenset[int]) -> list[tuple[int, Callable[[], None], Callable[[], None]]]:
+        """(chunk, update, publish) for each chunk of ``queued``, in the order the next forward
+        first uses them; ``keys`` are their batches (none where this rank holds only
+        padding). A chunk on the disk tier is read at its update (the next one's read starts
+        then) and written back behind its publication."""
         trace = self.module.cache.trace
         first_use: dict[int, int] = {}
         for pos, cid in enumerate(trace.order if trace is not None else ()):
@@ -469,44 +509,58 @@ class ElixirOptimizer(Optimizer):
         # every host chunk is queued, with nothing to do where this rank holds none of its
         # parameters' elements (its shard is padding): what the next pass may prefetch must
         # be the same on every rank, or their gathers part ways
-        by_chunk: dict[int, list[tuple]] = {cid: [] for cid in self.host_chunks}
+        by_chunk: dict[int, list[tuple]] = {cid: [] for cid in queued}
         for key in keys:
             by_chunk[key[0]].append(key)
         chunks = self.module.chunks
-        # the hyperparameters of this step: an LR scheduler stepped after step() returns
-        # changes the groups while the thread still works
-        groups = [_frozen_group(g) for g in self.param_groups]
+        order = sorted(by_chunk, key=lambda c: (first_use.get(c, len(first_use) + c), c))
+        tier = self.module.disk
+        on_disk = [cid for cid in order if chunks[cid].disk and by_chunk[cid]]
+        after = dict(zip(on_disk, on_disk[1:] + [None]))
+        loaded: dict[int, dict[str, torch.Tensor]] = {}
 
-        def update(cid: int) -> Callable[[], None]:
-            return lambda: [self._update(groups[k[1]], k[2], batches[k]) for k in by_chunk[cid]]
+        def run(cid: int) -> None:
+            if cid in after:
+                loaded[cid] = tier.acquire(cid)
+                if after[cid] is not None:  # read ahead while this one is updated
+                    tier.prefetch(after[cid])
+            for k in by_chunk[cid]:
+                b = batches[k] if cid not in loaded else batch_views(batches[k], chunks[cid].master, loaded[cid])
+                self._update(groups[k[1]], k[2], b)
 
-        def publish(cid: int) -> Callable[[], None]:
-            if not by_chunk[cid]:  # nothing updated: nothing to publish (as inside step())
-                return lambda: None
-            return lambda: self._publish(chunks[cid], readers_done, counted=True)
+        def done(cid: int) -> None:
+            views = loaded.pop(cid, None)
+            self._publish(chunks[cid], readers_done, counted=True,
+                          master=None if views is None else views.get("master"))
+            if views is not None:  # written back behind the next chunk's update
+                tier.release(cid, write=True)
 
-        jobs = [(cid, update(cid), publish(cid))
-                for cid in sorted(by_chunk, key=lambda c: (first_use.get(c, len(first_use) + c), c))]
-        for cid, _, _ in jobs:  # counted here, in this step's window (chunk.upload_from_staging)
+        for cid in order:  # counted here, in this step's window (chunk.upload_from_staging)
             if by_chunk[cid] and chunks[cid].uploads_from_staging and not chunks[cid].master_aliased:
                 self.module.comm.counter.add("host_to_device", chunks[cid].upload_bytes)
-        self.module.host_updates.start(jobs, zero=lambda cid: chunks[cid].grad_shard.zero_())
+        if on_disk:  # the first read starts now, before the thread does
+            tier.prefetch(on_disk[0])
+        # nothing updated: nothing to publish (as inside step())
+        return [(cid, lambda c=cid: run(c), (lambda c=cid: done(c)) if by_chunk[cid] else (lambda: None))
+                for cid in order]
 
     @staticmethod
-    def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event], counted: bool = False) -> None:
-        """Make the compute-dtype shard match the updated master. ``counted``: the caller
-        counted the upload's bytes."""
+    def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event], counted: bool = False,
+                 master: Optional[torch.Tensor] = None) -> None:
+        """Make the compute-dtype shard match the updated master (``master``: where it is,
+        for a chunk on the disk tier). ``counted``: the caller counted the upload's bytes."""
         if chunk.master_aliased:
             return
+        master = chunk.master if master is None else master
         if chunk.uploads_from_staging:
             # cast on the host into pinned memory: the compute dtype crosses PCIe, not fp32
             chunk.fence_host()  # the staging buffer's last upload has finished reading it
-            chunk.staging.copy_(chunk.master)
+            chunk.staging.copy_(master)
             chunk.upload_from_staging(readers_done, count=not counted)
             return
         # a host shard is only read by the copies release_all() waited for; a device shard
         # takes an asynchronous copy, ordered on the compute stream
-        chunk.shard.copy_(chunk.master, non_blocking=chunk.shard.device.type != "cpu")
+        chunk.shard.copy_(master, non_blocking=chunk.shard.device.type != "cpu")
 
     def _update(self, group: dict, device: torch.device, b: dict[str, list]) -> None:
         fused = _fused_ok(device)

@@ -16,6 +16,11 @@ gathered copies, as a load must before and after it writes.
 
 Every function that hands out or reads state first waits for host updates still running
 behind the last step (runtime/host_update.py): a view taken then would see them half done.
+
+Chunks on the disk tier (runtime/disk_tier.py) keep their master and optimizer state in
+files: ``local_slices`` gives their slices' names and ranges with stand-in (meta) views, and
+``chunk_slices`` gives real views, one chunk at a time, read into the tier's ring and, when
+asked, written back; so saving or loading never holds all of the disk tier in memory.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from hf_elixir.runtime.disk_tier import open_chunk
 from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.runtime.optim import ElixirOptimizer
 
@@ -90,18 +96,35 @@ def parameter_layouts(emodel: ElixirModule, frozen: bool = False) -> list[Parame
 def local_slices(emodel: ElixirModule, eoptimizer: Optional[ElixirOptimizer] = None,
                  frozen: bool = False) -> list[LocalSlice]:
     """The slices this rank holds of trainable parameters (and of frozen ones with
-    ``frozen=True``), with their optimizer state views when ``eoptimizer`` is given."""
+    ``frozen=True``), with their optimizer state views when ``eoptimizer`` is given. A slice
+    of a chunk on the disk tier has stand-in views (its name, range and dtype hold; its
+    values are read through ``chunk_slices``)."""
     emodel.host_updates.wait_all()
-    out = []
+    states = eoptimizer.flat_state if eoptimizer is not None else [{} for _ in emodel.chunks]
+    return [s for chunk, flat in zip(emodel.chunks, states) if not chunk.frozen or frozen
+            for s in _slices(chunk, chunk.master, flat)]
+
+
+def _slices(chunk, master: torch.Tensor, flat: dict[str, torch.Tensor]) -> list[LocalSlice]:
+    return [LocalSlice(name=slot.name, slot=slot.index, frozen=chunk.frozen, begin=pb, end=pb + e - b,
+                       master=master[b:e], state={k: v[b:e] for k, v in flat.items()} if not chunk.frozen else {})
+            for slot, b, e, pb in chunk.local_slices()]
+
+
+def chunk_slices(emodel: ElixirModule, eoptimizer: Optional[ElixirOptimizer] = None, frozen: bool = False,
+                 write: bool = False) -> Iterator[list[LocalSlice]]:
+    """``local_slices`` one chunk at a time, in the same order, with real views: a chunk on
+    the disk tier is read for the time the caller holds its slices (until it asks for the
+    next chunk) and, with ``write``, written back then. Nothing else runs meanwhile."""
+    emodel.host_updates.wait_all()
     states = eoptimizer.flat_state if eoptimizer is not None else [{} for _ in emodel.chunks]
     for chunk, flat in zip(emodel.chunks, states):
         if chunk.frozen and not frozen:
             continue
-        for slot, b, e, pb in chunk.local_slices():
-            out.append(LocalSlice(name=slot.name, slot=slot.index, frozen=chunk.frozen, begin=pb, end=pb + e - b,
-                                  master=chunk.master[b:e],
-                                  state={k: v[b:e] for k, v in flat.items()} if not chunk.frozen else {}))
-    return out
+        with open_chunk(emodel.disk, chunk, flat, write=write) as (master, state):
+            yield _slices(chunk, master, state)
+    if write and emodel.disk is not None:
+        emodel.disk.flush()
 
 
 def frozen_dtype(emodel: ElixirModule) -> torch.dtype:
@@ -138,7 +161,8 @@ def publish_masters(emodel: ElixirModule) -> None:
     emodel.host_updates.wait_all()
     for chunk in emodel.chunks:
         if not chunk.master_aliased:
-            chunk.shard.copy_(chunk.master)
+            with open_chunk(emodel.disk, chunk) as (master, _):
+                chunk.shard.copy_(master)
 
 
 def release_all(emodel: ElixirModule) -> None:

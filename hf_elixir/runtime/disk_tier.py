@@ -1,0 +1,496 @@
+"""The disk tier: trainable chunks' fp32 master and optimizer state in files on a fast disk.
+
+A plan may put a trainable chunk's optimizer side on ``"disk"`` when neither the device nor
+the host can hold it. Such a chunk keeps, in host memory, only what every step needs at
+once (its compute-dtype shard, which forward gathers, and its fp32 gradient shard, which
+backward fills); its fp32 master shard and its optimizer state (the "planes" of its region)
+live in one file per rank under the directory the user names (``nvme_path``, else
+``ELIXIR_NVME_PATH``). In fp32 with the shard in host memory, the master *is* that shard
+(as on the host tier), so the file holds only the optimizer state.
+
+The host update thread (``host_update.py``) works through the disk chunks in the order the
+next forward needs them. A small ring of host buffers (``ring``, 3 by default) lets three
+things run at once: the next chunk's planes are read while the current one is updated, and
+the previous one is written back behind it. Reads and writes run on two I/O threads with
+``os.preadv``/``os.pwritev``, which release the GIL; the file is opened once. With
+``O_DIRECT`` (used where the file system allows it) buffers, offsets and sizes are aligned
+to ``ALIGN`` bytes, so every plane is padded to it and the page cache is bypassed.
+
+The scratch files are the run's own, never a checkpoint:
+
+- each rank works in ``<nvme_path>/hf_elixir-rank<r>/``, which it claims with a lock file
+  (``flock``) holding the run's identity. A directory another live run holds is refused;
+  one left by a run that crashed is emptied (with a warning) and rebuilt from this run's
+  own state, from initialisation or from the checkpoint it loads;
+- a plane is read from the file only once this run has written it; before that it reads as
+  zeros (fresh optimizer state), so nothing a file held before this run is ever state;
+- the files are removed when the module is closed, at a normal exit, or when the tier is
+  garbage collected (not in a forked child, which shares the parent's files).
+
+One consumer at a time: the host update thread during its step, the main thread otherwise
+(every reader of the whole state waits for that thread first). The I/O threads touch only
+buffers handed to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import json
+import os
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import uuid
+import warnings
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+from hf_elixir.planner.record import ElixirPlan, PlanError, chunk_layout
+from hf_elixir.profile.params import chunk_numel
+from hf_elixir.vocab import HfElixirError, format_bytes
+
+ENV = "ELIXIR_NVME_PATH"
+#: O_DIRECT's alignment of buffers, offsets and sizes (a page covers every device's block)
+ALIGN = 4096
+#: the most optimizer-state planes a supported optimizer keeps (Adam's two moments)
+MAX_STATE_PLANES = 2
+DIR_PREFIX = "hf_elixir-rank"
+LOCK_NAME = "owner.lock"
+DATA_NAME = "state.bin"
+
+
+class DiskTierError(HfElixirError, ValueError):
+    """The disk tier cannot be used as asked: no path, a bad path, too little space, a
+    directory in use by another run, or a tier that was closed."""
+
+
+def _pad(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+@dataclass(frozen=True)
+class DiskChunk:
+    """Where one chunk's planes lie in the rank's file: ``planes`` names them in order
+    ("master" first unless the master is the in-memory shard, then "state0", "state1")."""
+
+    cid: int
+    numel: int                 #: elements of the rank's shard
+    offset: int                #: first byte of the chunk's region
+    planes: tuple[str, ...]
+
+    @property
+    def plane_bytes(self) -> int:
+        return _pad(self.numel * 4)
+
+    @property
+    def region_bytes(self) -> int:
+        return self.plane_bytes * len(self.planes)
+
+
+@dataclass
+class DiskPlan:
+    """The disk tier a plan asks for, checked before the model is touched (``prepare``)."""
+
+    root: Path
+    chunks: list[DiskChunk]
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(c.region_bytes for c in self.chunks)
+
+    def open(self, rank: int, ring: int = 3) -> "DiskTier":
+        return DiskTier(self.root, rank, self.chunks, ring=ring)
+
+
+def resolve_path(nvme_path: Optional[str | os.PathLike]) -> Optional[str]:
+    """The path the user named: the argument, else ``ELIXIR_NVME_PATH``, else None."""
+    if nvme_path is not None and str(nvme_path) != "":
+        return str(nvme_path)
+    return os.environ.get(ENV) or None
+
+
+def prepare(plan: ElixirPlan, model: torch.nn.Module, world_size: int, device: torch.device,
+            nvme_path: Optional[str | os.PathLike]) -> Optional[DiskPlan]:
+    """The disk tier ``plan`` needs on this rank, with its path checked (``check_path``);
+    None when no trainable chunk is on disk. Raises before anything is changed."""
+    disk = [i for i, c in enumerate(plan.chunks) if c.optim_placement == "disk" and not c.frozen]
+    if not disk:
+        return None
+    path = resolve_path(nvme_path)
+    if path is None:
+        raise DiskTierError(
+            f"the plan keeps the optimizer state of {len(disk)} chunk(s) on disk (optim_placement "
+            f"\"disk\") but no directory was given for it; pass nvme_path= (the elixir option "
+            f"nvme_path, or {ENV}) naming a directory on a fast local disk")
+    named = dict(model.named_parameters())
+    itemsize = plan.dtype.itemsize
+    chunks, offset = [], 0
+    for cid in disk:
+        cplan = plan.chunks[cid]
+        size, _ = chunk_layout([chunk_numel(named[n], itemsize) for n in cplan.params], itemsize, world_size)
+        # as the runtime builds it: in fp32, a master on the host is the host shard itself
+        aliased = plan.dtype == torch.float32 and (device.type == "cpu" or cplan.param_placement == "cpu")
+        planes = ("master",) * (not aliased) + tuple(f"state{i}" for i in range(MAX_STATE_PLANES))
+        chunks.append(DiskChunk(cid, size // world_size, offset, planes))
+        offset += chunks[-1].region_bytes
+    out = DiskPlan(Path(path), chunks)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    check_path(path, out.bytes_per_rank * max(local_ranks, 1), local_ranks)
+    return out
+
+
+def check_path(path: str | os.PathLike, needed: int, ranks: int = 1) -> Path:
+    """Refuse a directory that does not exist, cannot be written or lacks ``needed`` bytes
+    of free space (what ``ranks`` ranks of this machine write there together), saying
+    what to do. Scratch directories this file's runs left behind count as free: a run
+    replaces them."""
+    root = Path(path).expanduser()
+    if not root.exists():
+        raise DiskTierError(f"nvme_path {str(root)!r} does not exist; create the directory (on a fast local "
+                            "disk) or name another one")
+    if not root.is_dir():
+        raise DiskTierError(f"nvme_path {str(root)!r} is not a directory; name a directory on a fast local disk")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".hf_elixir_probe_", dir=root)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as e:
+        raise DiskTierError(f"nvme_path {str(root)!r} is not writable ({e.strerror or e}); name a directory "
+                            "this user can write, or change its permissions") from None
+    free = shutil.disk_usage(root).free + sum(
+        f.stat().st_size for f in root.glob(f"{DIR_PREFIX}*/{DATA_NAME}") if f.is_file())
+    if needed > free:
+        raise DiskTierError(
+            f"nvme_path {str(root)!r} has {format_bytes(free)} free ({free} bytes) but the disk tier needs "
+            f"{format_bytes(needed)} ({needed} bytes{f' for {ranks} ranks' if ranks > 1 else ''}); free "
+            f"{format_bytes(needed - free)} there, name a larger disk, or keep fewer chunks on disk")
+    return root
+
+
+# ---------------------------------------------------------------------- the run's directory
+def _identity() -> dict:
+    return {"pid": os.getpid(), "host": socket.gethostname(), "run": uuid.uuid4().hex,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+
+
+def _claim(root: Path, rank: int) -> tuple[Path, int]:
+    """Lock this rank's directory for this run and empty it; returns it and the lock's fd
+    (held until the tier closes). Another live run's lock is refused; a stale one (a run
+    that crashed) is taken over, its files discarded unread."""
+    directory = root / f"{DIR_PREFIX}{rank:05d}"
+    directory.mkdir(exist_ok=True)
+    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            raise
+        owner = (directory / LOCK_NAME).read_text(errors="replace").strip() or "unknown"
+        raise DiskTierError(
+            f"{directory} is in use by another live run ({owner}); give each run its own nvme_path "
+            f"(or {ENV})") from None
+    stale = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+    for entry in directory.iterdir():
+        if entry.name != LOCK_NAME:
+            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
+    if stale:
+        warnings.warn(f"hf_elixir: {directory} held the scratch files of a run that did not exit cleanly "
+                      f"({stale}); they were discarded unread, and this run writes its own state there",
+                      stacklevel=3)
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(_identity()).encode(), 0)
+    return directory, fd
+
+
+def _remove(directory: Path, fds: list[int], owner_pid: int) -> None:
+    """Close the files and remove the run's directory (only in the process that made it)."""
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    fds.clear()
+    if os.getpid() == owner_pid:
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------- the tier
+@dataclass(eq=False)
+class _Buffer:
+    """One buffer of the ring: a chunk's planes, aligned, and the I/O in flight on it."""
+
+    data: torch.Tensor                 #: fp32, ALIGN-aligned, room for the largest region
+    cid: Optional[int] = None          #: whose planes it holds (or is reading, writing)
+    future: Optional[Future] = None    #: the read or write in flight
+    writing: bool = False              #: ``future`` writes the buffer back
+    held: bool = False                 #: handed out by ``acquire`` and not yet released
+    used: int = 0                      #: when last handed out (least recently used goes first)
+
+
+def _aligned(nbytes: int) -> torch.Tensor:
+    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
+    skip = -raw.data_ptr() % ALIGN
+    return raw[skip : skip + nbytes].view(torch.float32)
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+@dataclass
+class _Counters:
+    """Bytes moved between the ring and the file since the tier opened."""
+
+    read_bytes: int = 0
+    written_bytes: int = 0
+
+
+class DiskTier:
+    """This rank's disk-tier files and ring of host buffers (see the module docstring)."""
+
+    def __init__(self, root: Path, rank: int, chunks: Sequence[DiskChunk], ring: int = 3) -> None:
+        if ring < 2:
+            raise ValueError(f"the disk tier needs a ring of at least 2 buffers, got {ring}")
+        self.chunks = {c.cid: c for c in chunks}
+        self.directory, lock_fd = _claim(Path(root), rank)
+        self._fds = [lock_fd]
+        path = self.directory / DATA_NAME
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError:  # a file system without direct I/O (tmpfs): through the page cache
+            self.direct = False
+            self._fd = os.open(path, flags, 0o600)
+        self._fds.append(self._fd)
+        total = sum(c.region_bytes for c in chunks)
+        try:  # reserve the space now: running out of it mid-step would lose the state
+            os.posix_fallocate(self._fd, 0, total)
+        except OSError as e:
+            if e.errno != errno.EOPNOTSUPP:
+                raise DiskTierError(f"reserving {format_bytes(total)} in {path} failed: {e}") from None
+            os.ftruncate(self._fd, total)
+        self._finalizer = weakref.finalize(self, _remove, self.directory, self._fds, os.getpid())
+        largest = max((c.region_bytes for c in chunks), default=ALIGN)
+        self._ring = [_Buffer(_aligned(largest)) for _ in range(ring)]
+        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_elixir_disk_io")
+        #: (chunk, plane) this run has written: only those are ever read from the file
+        self._written: set[tuple[int, str]] = set()
+        self.state_names: tuple[str, ...] = ()
+        self._clock = 0
+        self.counters = _Counters()
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ setup
+    @property
+    def closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def holds(self, cid: int) -> bool:
+        return cid in self.chunks
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of state the files hold for this rank (masters and optimizer state, without
+        the alignment padding): what the disk tier keeps out of host memory."""
+        per = {c.cid: ("master" in c.planes) + len(self.state_names) for c in self.chunks.values()}
+        return sum(c.numel * 4 * per[c.cid] for c in self.chunks.values())
+
+    @property
+    def ring_bytes(self) -> int:
+        return sum(b.data.numel() * 4 for b in self._ring)
+
+    def set_state_names(self, names: Sequence[str]) -> None:
+        """The optimizer's state, in plane order; every state plane starts as zeros (a new
+        optimizer's state), whatever was written before."""
+        if len(names) > MAX_STATE_PLANES:
+            raise ValueError(f"the disk tier holds at most {MAX_STATE_PLANES} optimizer state tensors per chunk")
+        self._settle_all()
+        self.state_names = tuple(names)
+        self._written = {(cid, plane) for cid, plane in self._written if plane == "master"}
+        for buf in self._ring:  # cached copies of the old state are gone
+            buf.cid = None
+
+    def put_master(self, cid: int, values: torch.Tensor) -> torch.Tensor:
+        """Write chunk ``cid``'s initial fp32 master shard to its file; returns the stand-in
+        ``chunk.master`` keeps (a meta tensor: using it by mistake fails loudly)."""
+        with self.opened(cid, write=True) as views:
+            views["master"].copy_(values.reshape(-1))
+        return torch.empty(values.numel(), dtype=torch.float32, device="meta")
+
+    # ------------------------------------------------------------------ buffers
+    def _find(self, cid: int) -> Optional[_Buffer]:
+        return next((b for b in self._ring if b.cid == cid), None)
+
+    @staticmethod
+    def _settle(buf: _Buffer) -> None:
+        """Wait for the I/O in flight on ``buf``; re-raise its error here."""
+        future, buf.future, buf.writing = buf.future, None, False
+        if future is not None:
+            future.result()
+
+    def _settle_all(self) -> None:
+        for buf in self._ring:
+            self._settle(buf)
+
+    def _free_buffer(self, block: bool) -> Optional[_Buffer]:
+        """A buffer to read into: an empty one, else the least recently used one not held,
+        preferring those whose I/O is over, then those writing back, then a read-ahead.
+        Without ``block``, only one that is free now (a read-ahead never waits)."""
+        def rank(b: _Buffer) -> tuple:
+            busy = b.future is not None and not b.future.done()
+            return (b.cid is not None, busy and not b.writing, busy, b.used)
+
+        idle = sorted((b for b in self._ring if not b.held), key=rank)
+        if not block:
+            idle = [b for b in idle if b.future is None or b.future.done()]
+        if not idle:
+            if block:
+                raise RuntimeError("hf_elixir disk tier: every ring buffer is held")
+            return None
+        buf = idle[0]
+        self._settle(buf)  # its write-back reaches the file before the buffer is reused
+        buf.cid = None
+        return buf
+
+    def _start_read(self, buf: _Buffer, cid: int) -> None:
+        buf.cid = cid
+        buf.future = self._io.submit(self._read, buf, cid)
+
+    def _views(self, buf: _Buffer, cid: int) -> dict[str, torch.Tensor]:
+        chunk = self.chunks[cid]
+        per = chunk.plane_bytes // 4
+        names = dict(zip((f"state{i}" for i in range(MAX_STATE_PLANES)), self.state_names))
+        out = {}
+        for i, plane in enumerate(chunk.planes):
+            if plane == "master" or plane in names:
+                out[names.get(plane, plane)] = buf.data[i * per : i * per + chunk.numel]
+        return out
+
+    # ------------------------------------------------------------------ I/O (on the I/O threads)
+    def _read(self, buf: _Buffer, cid: int) -> None:
+        chunk = self.chunks[cid]
+        per = chunk.plane_bytes // 4
+        for i, plane in enumerate(chunk.planes):
+            view = buf.data[i * per : (i + 1) * per]
+            if (cid, plane) in self._written:
+                self._transfer(os.preadv, view, chunk.offset + i * chunk.plane_bytes)
+            else:  # never written in this run: fresh (zero) state, not whatever the file holds
+                view.zero_()
+
+    def _write(self, buf: _Buffer, cid: int) -> None:
+        chunk = self.chunks[cid]
+        self._transfer(os.pwritev, buf.data[: chunk.region_bytes // 4], chunk.offset)
+
+    def _transfer(self, call, view: torch.Tensor, offset: int) -> None:
+        data = _bytes(view)
+        done = 0
+        while done < len(data):
+            moved = call(self._fd, [data[done:]], offset + done)
+            if moved <= 0:
+                raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'} at byte "
+                              f"{offset + done} of {self.directory / DATA_NAME}")
+            done += moved
+        with self._lock:
+            if call is os.preadv:
+                self.counters.read_bytes += done
+            else:
+                self.counters.written_bytes += done
+
+    # ------------------------------------------------------------------ the consumer's calls
+    def _check_open(self) -> None:
+        if self.closed:
+            raise DiskTierError(f"the disk tier in {self.directory} was closed (ElixirModule.close() or exit); "
+                                "its state is gone: save a checkpoint before closing")
+
+    def prefetch(self, cid: int) -> None:
+        """Start reading chunk ``cid``'s planes into a free buffer, if one is free now."""
+        self._check_open()
+        if cid not in self.chunks or self._find(cid) is not None:
+            return
+        buf = self._free_buffer(block=False)
+        if buf is not None:
+            self._start_read(buf, cid)
+
+    def acquire(self, cid: int) -> dict[str, torch.Tensor]:
+        """Chunk ``cid``'s planes in a ring buffer, by name ("master" when the file holds it,
+        then the optimizer's state names): read now unless a prefetch did it already.
+        Writable until ``release``."""
+        self._check_open()
+        buf = self._find(cid)
+        if buf is None:
+            self._start_read(self._free_buffer(block=True), cid)
+            buf = self._find(cid)
+        self._settle(buf)  # its read, or the write-back of the values it still holds
+        self._clock += 1
+        buf.held, buf.used = True, self._clock
+        return self._views(buf, cid)
+
+    def release(self, cid: int, write: bool) -> None:
+        """Done with chunk ``cid``'s planes; ``write``: write them back (behind, on an I/O
+        thread). The buffer keeps them: an ``acquire`` before it is reused reads nothing."""
+        buf = self._find(cid)
+        if buf is None or not buf.held:
+            raise RuntimeError(f"hf_elixir disk tier: chunk {cid} released without being acquired")
+        buf.held = False
+        if write:
+            self._written.update((cid, plane) for plane in self.chunks[cid].planes)
+            buf.future, buf.writing = self._io.submit(self._write, buf, cid), True
+
+    @contextlib.contextmanager
+    def opened(self, cid: int, write: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+        """``acquire`` for the block, then ``release`` (written back when ``write``)."""
+        views = self.acquire(cid)
+        try:
+            yield views
+        except BaseException:
+            self.release(cid, write=False)
+            raise
+        self.release(cid, write=write)
+
+    def flush(self) -> None:
+        """Wait until every write-back has reached the file."""
+        if not self.closed:
+            self._settle_all()
+
+    def close(self) -> None:
+        """Finish the I/O, close the files and remove the run's directory. Idempotent."""
+        if self.closed:
+            return
+        try:
+            self._settle_all()
+        finally:
+            self._io.shutdown(wait=True)
+            self._finalizer()
+
+
+@contextlib.contextmanager
+def open_chunk(tier: Optional[DiskTier], chunk, state: Optional[dict[str, torch.Tensor]] = None,
+               write: bool = False) -> Iterator[tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+    """(master, optimizer state) of one chunk, wherever they live: the chunk's own tensors,
+    or for a chunk on the disk tier its planes loaded for the block (written back after it
+    when ``write``). A master the file does not hold is the chunk's (its in-memory shard)."""
+    state = {} if state is None else state
+    if tier is None or not tier.holds(chunk.index):
+        yield chunk.master, state
+        return
+    with tier.opened(chunk.index, write=write) as views:
+        yield views.get("master", chunk.master), {name: views[name] for name in state}
+
+
+def batch_views(batch: dict[str, list], master: torch.Tensor, views: dict[str, torch.Tensor]) -> dict[str, list]:
+    """An optimizer batch of a disk-tier chunk (its ``ranges`` in the shard) with master and
+    state views taken from the planes as read into the ring; ``master``: the chunk's own,
+    used when the file holds none (it is the in-memory shard)."""
+    master = views.get("master", master)
+    out = dict(batch, params=[master[lo:hi] for lo, hi in batch["ranges"]])
+    out.update({name: [t[lo:hi] for lo, hi in batch["ranges"]] for name, t in views.items() if name != "master"})
+    return out
