@@ -175,7 +175,8 @@ class ElixirAccelerator(Accelerator):
             # without being drawn from): plan on the first forward, from its real inputs.
             lazy = LazyElixirModule(
                 model, lambda first: self._plan_for_first_forward(model, first, dtype),
-                device=self.device, on_shard=self._on_lazy_shard, recover_oom=plugin.recover_oom)
+                device=self.device, on_shard=self._on_lazy_shard, recover_oom=plugin.recover_oom,
+                nvme_path=plugin.nvme_path)
             self._elixir_modules.append(lazy)
             self._models.append(lazy)
             if self.is_main_process:
@@ -186,7 +187,8 @@ class ElixirAccelerator(Accelerator):
         plan = make_plan(model, plugin, world_size=self.num_processes, dtype=dtype, optimizer=kind,
                          batch_shape=shape, machines=machines_from_env(self.num_processes),
                          split_batches=self.elixir_split_batches)
-        emodel = ElixirModule(model, plan, device=self.device, recover_oom=plugin.recover_oom)
+        emodel = ElixirModule(model, plan, device=self.device, recover_oom=plugin.recover_oom,
+                              nvme_path=plugin.nvme_path)
         self._elixir_modules.append(emodel)
         self._models.append(emodel)
         if self.is_main_process:

@@ -76,6 +76,9 @@ class ElixirPlugin:
     rcache_blocks: Optional[int] = _option("pin the number of gathered chunks kept (rCache blocks)", "searched")
     offload: Optional[Union[str, float]] = _option(
         "`auto`, `none`, `all`, or the fraction of optimizer state in CPU memory (0-1)", "`auto`")
+    nvme_path: Optional[str] = _option(
+        "a directory on a fast local disk for the optimizer state a plan keeps on disk (the disk tier; "
+        "docs/design.md)", "none")
     activation_checkpointing: Optional[str] = _option("`auto`, `on` or `off`", "`auto`")
     batch_size: Optional[int] = _option("the per-device micro-batch to plan for", "the first training batch")
     seq_len: Optional[int] = _option("the sequence length to plan for", "the first training batch")
@@ -104,6 +107,12 @@ class ElixirPlugin:
         self.seq_len = _number("seq_len", self.seq_len, int, minimum=1)
         self.efficiency = _efficiency(self.efficiency if self.efficiency is not None else "auto")
         self.recover_oom = _boolean("recover_oom", self.recover_oom, default=True)
+        if self.nvme_path is not None:  # its free space is checked against the plan when sharding
+            from hf_elixir.runtime.disk_tier import DiskTierError, check_path
+            try:
+                self.nvme_path = str(check_path(str(self.nvme_path), 0))
+            except DiskTierError as e:
+                raise ElixirConfigError(f"elixir option {e}") from None
         if self.gpu_memory is not None:
             try:
                 parse_memory(self.gpu_memory)
