@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
+from hf_elixir.runtime.disk_tier import DiskTierError, check_path
 from hf_elixir.vocab import HfElixirError
 
 USE_ENV = "ACCELERATE_USE_ELIXIR"
@@ -108,7 +109,6 @@ class ElixirPlugin:
         self.efficiency = _efficiency(self.efficiency if self.efficiency is not None else "auto")
         self.recover_oom = _boolean("recover_oom", self.recover_oom, default=True)
         if self.nvme_path is not None:  # its free space is checked against the plan when sharding
-            from hf_elixir.runtime.disk_tier import DiskTierError, check_path
             try:
                 self.nvme_path = str(check_path(str(self.nvme_path), 0))
             except DiskTierError as e:
