@@ -34,11 +34,13 @@ buffers handed to them.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
 import fcntl
 import json
 import os
+import queue
 import shutil
 import socket
 import tempfile
@@ -47,7 +49,7 @@ import time
 import uuid
 import warnings
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
@@ -196,6 +198,9 @@ def _claim(root: Path, rank: int) -> tuple[Path, int]:
         if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
             raise
         owner = (directory / LOCK_NAME).read_text(errors="replace").strip() or "unknown"
+        if f'"pid": {os.getpid()},' in owner:
+            raise DiskTierError(f"{directory} is held by another ElixirModule of this process ({owner}); "
+                                "close() it first, or give this one its own nvme_path") from None
         raise DiskTierError(
             f"{directory} is in use by another live run ({owner}); give each run its own nvme_path "
             f"(or {ENV})") from None
@@ -223,6 +228,44 @@ def _remove(directory: Path, fds: list[int], owner_pid: int) -> None:
 
 
 # ---------------------------------------------------------------------- the tier
+class _IOThreads:
+    """Daemon threads that run the reads and writes handed to them, in order of submission.
+
+    Not ``ThreadPoolExecutor``: at interpreter exit it stops taking work before the host
+    update thread (which submits write-backs) is joined. Daemon threads never hold up an
+    exit, and the tier's own exit handler waits for every transfer before the files go."""
+
+    def __init__(self, count: int) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._work, name="hf_elixir_disk_io", daemon=True)
+                         for _ in range(count)]
+        for thread in self._threads:
+            thread.start()
+
+    def submit(self, fn, *args) -> Future:
+        future: Future = Future()
+        self._queue.put((future, fn, args))
+        return future
+
+    def _work(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn, args = item
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # re-raised where the consumer waits for it
+                future.set_exception(exc)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+
+
+def _close_at_exit(ref: "weakref.ReferenceType[DiskTier]", pid: int) -> None:
+    tier = ref()
+    if tier is not None and os.getpid() == pid:  # a forked child's copies never finish I/O
+        tier.close()
+
+
 @dataclass(eq=False)
 class _Buffer:
     """One buffer of the ring: a chunk's planes, aligned, and the I/O in flight on it."""
@@ -262,32 +305,45 @@ class DiskTier:
         self.chunks = {c.cid: c for c in chunks}
         self.directory, lock_fd = _claim(Path(root), rank)
         self._fds = [lock_fd]
-        path = self.directory / DATA_NAME
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
-        self.direct = hasattr(os, "O_DIRECT")
-        try:
-            self._fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
-        except OSError:  # a file system without direct I/O (tmpfs): through the page cache
-            self.direct = False
-            self._fd = os.open(path, flags, 0o600)
-        self._fds.append(self._fd)
-        total = sum(c.region_bytes for c in chunks)
-        try:  # reserve the space now: running out of it mid-step would lose the state
-            os.posix_fallocate(self._fd, 0, total)
-        except OSError as e:
-            if e.errno != errno.EOPNOTSUPP:
-                raise DiskTierError(f"reserving {format_bytes(total)} in {path} failed: {e}") from None
-            os.ftruncate(self._fd, total)
+        # removed when the tier is collected (or its opening fails); at exit, after the host
+        # update thread is done with it and its transfers are over (``_close_at_exit``)
         self._finalizer = weakref.finalize(self, _remove, self.directory, self._fds, os.getpid())
+        try:
+            self._fd = self._open(self.directory / DATA_NAME, sum(c.region_bytes for c in chunks))
+        except BaseException:
+            self._finalizer()
+            raise
+        self._fds.append(self._fd)
+        atexit.register(_close_at_exit, weakref.ref(self), os.getpid())
         largest = max((c.region_bytes for c in chunks), default=ALIGN)
         self._ring = [_Buffer(_aligned(largest)) for _ in range(ring)]
-        self._io = ThreadPoolExecutor(max_workers=2, thread_name_prefix="hf_elixir_disk_io")
+        self._io = _IOThreads(2)
         #: (chunk, plane) this run has written: only those are ever read from the file
         self._written: set[tuple[int, str]] = set()
         self.state_names: tuple[str, ...] = ()
         self._clock = 0
         self.counters = _Counters()
         self._lock = threading.Lock()
+
+    def _open(self, path: Path, total: int) -> int:
+        """The state file, new and ``total`` bytes long, its space reserved now: running out
+        of it in the middle of a step would lose the state."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        self.direct = hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
+        except OSError:  # a file system without direct I/O (tmpfs): through the page cache
+            self.direct = False
+            fd = os.open(path, flags, 0o600)
+        try:
+            os.posix_fallocate(fd, 0, total)
+        except OSError as e:
+            if e.errno != errno.EOPNOTSUPP:
+                os.close(fd)
+                raise DiskTierError(f"reserving {format_bytes(total)} in {path} failed ({e.strerror or e}); "
+                                    "free space there or name another nvme_path") from None
+            os.ftruncate(fd, total)
+        return fd
 
     # ------------------------------------------------------------------ setup
     @property
@@ -468,7 +524,7 @@ class DiskTier:
         try:
             self._settle_all()
         finally:
-            self._io.shutdown(wait=True)
+            self._io.shutdown()
             self._finalizer()
 
 
