@@ -121,28 +121,33 @@ def _hardware_from_args(args):
     return hw.with_cluster(gpus_per_node=args.gpus, nodes=args.nodes, device_memory=memory)
 
 
-def _lora_model(cfg, args):
-    """The model to plan: ``cfg`` itself, or with ``--lora-r`` a LoRA fine-tune of it built
-    on the meta device (``hf_elixir.profile.lora``)."""
+def _lora_builder(args) -> Callable | None:
+    """With ``--lora-r``: what builds the LoRA fine-tune of a config on the meta device
+    (``hf_elixir.profile.lora``; its base in 4 bits with ``--load-in-4bit``), called by the
+    profiler on the config, or on shortened copies of it when it profiles a few layers and
+    unfolds them (``profile.fold``). None without ``--lora-r``: the config's model is planned."""
     if args.lora_r is None:
         if args.lora_targets:
             raise CLIError("--lora-targets needs --lora-r (the adapters' rank)")
         if args.load_in_4bit:
             raise CLIError("--load-in-4bit plans QLoRA, whose 4-bit base cannot train: add --lora-r N "
                            "(the adapters' rank, e.g. --lora-r 16)")
-        return cfg
+        return None
     if args.double_quant and not args.load_in_4bit:
         raise CLIError("--double-quant is a setting of the 4-bit base: add --load-in-4bit")
-
     targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
-    try:
-        base = cfg
-        if args.load_in_4bit:
-            base = meta_4bit(build_meta_model(cfg, args.dtype), compute_dtype=args.dtype,
-                             double_quant=args.double_quant)
-        return meta_lora_model(base, args.lora_r, targets, dtype=args.dtype)
-    except (ImportError, ValueError) as e:
-        raise CLIError(str(e)) from e
+
+    def build(cfg):
+        try:
+            base = cfg
+            if args.load_in_4bit:
+                base = meta_4bit(build_meta_model(cfg, args.dtype), compute_dtype=args.dtype,
+                                 double_quant=args.double_quant)
+            return meta_lora_model(base, args.lora_r, targets, dtype=args.dtype)
+        except (ImportError, ValueError) as e:
+            raise CLIError(str(e)) from e
+
+    return build
 
 
 def cmd_plan(args) -> int:
@@ -154,17 +159,29 @@ def cmd_plan(args) -> int:
         efficiency = float(args.efficiency)
     except ValueError:
         efficiency = args.efficiency
+    build = _lora_builder(args)
     try:
-        model = _lora_model(cfg, args)
         profile = None
-        if model is not cfg:  # name the fine-tune in the summary
+        if build is not None:
+            # the fine-tune exists only on the meta device: there is nothing to time
+            if efficiency == "measure":
+                raise CLIError("--efficiency measure times the model, but a LoRA plan builds it on the meta "
+                               "device (no values to run): use --efficiency calibrated or a number")
+            if efficiency == "auto":
+                efficiency = "calibrated"
+            built: list = []
 
-            targets = ",".join(sorted(model.peft_config["default"].target_modules))
-            profile = profile_model(model, (args.batch_size, args.seq_len), dtype=args.dtype,
-                                    attention_target=hw.device_type,
-                                    model_name=f"{args.model}{' in 4 bits (nf4)' if args.load_in_4bit else ''}"
-                                               f" + LoRA r{args.lora_r} ({targets})")
-        result = make_plan(model, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
+            def build_and_keep(config):
+                built.append(build(config))
+                return built[-1]
+
+            profile = profile_model(cfg, (args.batch_size, args.seq_len), dtype=args.dtype,
+                                    attention_target=hw.device_type, build=build_and_keep)
+            targets = ",".join(sorted(built[-1].peft_config["default"].target_modules))
+            # name the fine-tune in the summary
+            profile.model_name = (f"{args.model}{' in 4 bits (nf4)' if args.load_in_4bit else ''}"
+                                  f" + LoRA r{args.lora_r} ({targets})")
+        result = make_plan(cfg, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
                            dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency,
                            profile=profile)
     except PlanError as e:

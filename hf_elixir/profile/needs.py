@@ -47,19 +47,23 @@ def rcache_minimum(pins: Sequence[tuple[str, str]], module_params: Mapping[str, 
     Replays the pin sequence: when a module is about to be fetched, the chunks already
     pinned and the chunks it needs must all hold a block at once. At least 1."""
     chunk_of = {name: i for i, params in enumerate(chunks) for name in params}
-    needs = {m: {chunk_of[p] for p in ps if p in chunk_of} for m, ps in module_params.items()}
+    needs = {m: tuple({chunk_of[p] for p in ps if p in chunk_of}) for m, ps in module_params.items()}
     pins_of: dict[int, int] = {}
+    held: set[int] = set()  # the chunks pinned now (count above zero), kept as pins change
     most = 1
     for op, module in pins:
-        cids = needs.get(module, set())
+        cids = needs.get(module, ())
         if op == "pin":
-            in_use = {c for c, k in pins_of.items() if k > 0} | cids
-            most = max(most, len(in_use))
+            most = max(most, len(held) + sum(1 for c in cids if c not in held))
             for c in cids:
-                pins_of[c] = pins_of.get(c, 0) + 1
+                n = pins_of[c] = pins_of.get(c, 0) + 1
+                if n > 0:
+                    held.add(c)
         else:
             for c in cids:
-                pins_of[c] = pins_of.get(c, 0) - 1
+                n = pins_of[c] = pins_of.get(c, 0) - 1
+                if n <= 0:
+                    held.discard(c)
     return most
 
 

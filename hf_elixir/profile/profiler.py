@@ -3,14 +3,18 @@ activation checkpointing, giving everything the planner needs to know about the 
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
 
+from hf_elixir.profile import fold as folding
 from hf_elixir.profile.params import chunk_numel, chunked_parameters, detect_fetch_units
 from hf_elixir.profile.quant import packed_weights, quant_state_bytes
 from hf_elixir.vocab import DTYPE_BYTES, canonical_dtype
@@ -28,6 +32,8 @@ from hf_elixir.profile.trace import (
     tied_parameters,
 )
 
+
+logger = logging.getLogger(__name__)
 
 @dataclass
 class ParamInfo:
@@ -212,6 +218,22 @@ def disable_checkpointing(model: nn.Module) -> None:
         model.gradient_checkpointing_disable()
 
 
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cycle collector off for one traced step. Tensors caught in reference cycles
+    (activation checkpointing's holders, a mixture of experts' routing) die when the
+    collector happens to run, which would make the live bytes of a trace differ from one
+    run to the next; with it off they die at the same instant every time (after the step)."""
+    was = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def trace_step(
     model: nn.Module,
     batch: dict[str, torch.Tensor],
@@ -229,7 +251,7 @@ def trace_step(
     def backward_begins():
         tracer.in_backward = True
 
-    with tracer:
+    with tracer, _collector_paused():
         mem = run_step(model, batch, attention_target=attention_target,
                        on_backward_start=backward_begins, tracker=tracker)
     trace = tracer.trace
@@ -251,6 +273,8 @@ def profile_model(
     attention_target: str = "cuda",
     checkpointing: bool | None = None,
     model_name: str = "",
+    build: Callable[[Any], nn.Module] | None = None,
+    fold: bool = True,
 ) -> ModelProfile:
     """Profile one training step of a model on the meta device.
 
@@ -263,10 +287,81 @@ def profile_model(
         attention_target: "cuda" or "cpu": which device's fused attention kernels to assume.
         checkpointing: profile only without (False) or only with (True) checkpointing;
             None profiles both.
+        build: with a config, what makes the meta model from it (a LoRA or 4-bit fine-tune
+            of the config's model, say); default ``build_meta_model``. It is called on
+            shortened copies of the config when the profile is folded.
+        fold: profile a deep model from a few of its layers (``profile.fold``) when its
+            layers repeat exactly; False traces every layer.
     """
     start = time.perf_counter()
     dtype = canonical_dtype(dtype)
-    meta = set_training(build_meta_model(model_or_config, dtype))
+    is_config = not isinstance(model_or_config, nn.Module)
+    if build is not None and not is_config:
+        raise TypeError("build= makes a model from a config; pass the config, not a module")
+
+    def make(config: Any) -> nn.Module:
+        # a built model is copied as any module is: floating parameters in the compute dtype
+        return build_meta_model(build(config), dtype) if build else build_meta_model(config, dtype)
+
+    def profile_of(meta: nn.Module) -> ModelProfile:
+        return _profile_meta(set_training(meta, True), example_batch, dtype, attention_target, checkpointing)
+
+    profile = _folded(model_or_config, is_config, make, dtype, profile_of) if fold else None
+    if profile is None:
+        meta = make(model_or_config) if is_config else set_training(build_meta_model(model_or_config, dtype))
+        profile = profile_of(meta)
+    if not model_name:
+        config = model_or_config if is_config else getattr(model_or_config, "config", None)
+        model_name = getattr(config, "_name_or_path", "") or profile.model_name
+    profile.model_name = model_name
+    profile.seconds = time.perf_counter() - start
+    return profile
+
+
+def _folded(source: Any, is_config: bool, make: Callable[[Any], nn.Module], dtype: str,
+            profile_of: Callable[[nn.Module], ModelProfile]) -> ModelProfile | None:
+    """The profile unfolded from a ``folding.TRACED``-layer model, checked against a traced
+    model one layer deeper; None when the model is shallow or its layers do not repeat."""
+    config = source if is_config else getattr(source, "config", None)
+    layers = folding.layer_count(config)
+    if layers is None or layers < folding.MIN_LAYERS:
+        return None
+    try:
+        profiles, stacks, per_layer = [], [], []
+        for depth in (folding.TRACED, folding.TRACED + 1):
+            meta = (make(folding.truncated_config(source, depth)) if is_config
+                    else folding.truncated_meta_model(source, dtype, depth, layers))
+            stack = folding.find_stack(meta, depth)
+            stacks.append(stack)
+            per_layer.append(_held_whole_bytes(meta.get_submodule(f"{stack.path}.1")))
+            profiles.append(profile_of(meta))
+        if stacks[0] != stacks[1] or per_layer[0] != per_layer[1]:
+            raise folding.NoFold("the layers hold different buffers")
+        stack = stacks[0]
+        grown = folding.unfold_profile(profiles[0], stack, folding.TRACED, folding.TRACED + 1, per_layer[0])
+        if not folding.same_profile(grown, profiles[1]):
+            raise folding.NoFold("one more layer does not change the profile by one layer's share")
+        profile = folding.unfold_profile(profiles[0], stack, folding.TRACED, layers, per_layer[0])
+    except folding.NoFold as e:
+        logger.debug("profiling every layer: %s", e)
+        return None
+    profile.extra["traced_layers"] = folding.TRACED
+    return profile
+
+
+def _held_whole_bytes(model: nn.Module) -> int:
+    """Bytes every rank holds whole: buffers, parameters that are not chunked (8-bit
+    quantised storage) and the quantisation state of packed 4-bit weights."""
+    named = chunked_parameters(model)
+    chunked = {id(p) for _, p in named}
+    whole = sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in chunked)
+    return (whole + sum(b.numel() * b.element_size() for b in model.buffers())
+            + sum(quant_state_bytes(p) for _, p in named))
+
+
+def _profile_meta(meta: nn.Module, example_batch: dict[str, torch.Tensor] | tuple[int, int], dtype: str,
+                  attention_target: str, checkpointing: bool | None) -> ModelProfile:
+    """Trace one step of a meta model, with and (or) without checkpointing."""
     fetch_units = detect_fetch_units(meta)
     vocab = getattr(getattr(meta, "config", None), "vocab_size", None)
     batch = make_batch(example_batch, vocab, device="meta")
@@ -276,12 +371,6 @@ def profile_model(
     params = [ParamInfo(n, chunk_numel(p, DTYPE_BYTES[dtype]), tuple(p.shape), frozen=not p.requires_grad,
                         packed_weights=packed_weights(p))
               for n, p in named]
-    chunked = {id(p) for _, p in named}
-    whole = sum(p.numel() * p.element_size() for p in meta.parameters() if id(p) not in chunked)
-    # held whole on every rank: buffers, and the quantisation state of 4-bit weights
-    buffers = (whole + sum(b.numel() * b.element_size() for b in meta.buffers())
-               + sum(quant_state_bytes(p) for _, p in named))
-
     borrowed = find_borrowed_reads(meta, batch, fetch_units)
     plain = ckpt = None
     if checkpointing is not True:
@@ -297,12 +386,10 @@ def profile_model(
         plain = ckpt
     if plain is None:
         raise ValueError(f"{type(meta).__name__} does not support activation checkpointing")
-    if not model_name:
-        model_name = getattr(getattr(meta, "config", None), "_name_or_path", "") or type(meta).__name__
     return ModelProfile(
         params=params,
         tied=tied_parameters(meta),
-        buffer_bytes=buffers,
+        buffer_bytes=_held_whole_bytes(meta),
         fetch_units=fetch_units,
         plain=plain,
         checkpointed=ckpt,
@@ -310,8 +397,7 @@ def profile_model(
         seq_len=seq,
         dtype=dtype,
         attention_target=attention_target,
-        model_name=model_name,
-        seconds=time.perf_counter() - start,
+        model_name=type(meta).__name__,
         borrowed=borrowed,
     )
 

@@ -73,8 +73,12 @@ def rebind_patched_forwards(original: nn.Module, copied: nn.Module, memo: dict[i
     meta tensor fails). Such a wrapper is rebuilt over a deep copy of its closure, through the
     same memo, so what it closed over from the original (its bound forward, its modules) is
     the copy's."""
-    for orig, twin in zip(original.modules(), copied.modules()):
+    twins = dict(copied.named_modules())
+    for name, orig in original.named_modules():
+        twin = twins.get(name)
         patched = orig.__dict__.get("forward")
+        if twin is None:
+            continue
         if not isinstance(patched, types.MethodType) or not patched.__func__.__closure__:
             continue
         func = patched.__func__
@@ -90,7 +94,8 @@ def rebind_patched_forwards(original: nn.Module, copied: nn.Module, memo: dict[i
         twin.forward = types.MethodType(rebuilt, twin)
 
 
-def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32") -> nn.Module:
+def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32",
+                     leave_out: Iterable[nn.Module] = ()) -> nn.Module:
     """A copy of the model whose parameters and buffers live on the meta device.
 
     Accepts a ``transformers`` config (the model is built with ``AutoModelForCausalLM`` under
@@ -98,6 +103,8 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32")
     with every parameter and buffer replaced by a meta tensor of the same shape, so even a real
     model is never duplicated in memory; tied parameters stay tied). Floating-point parameters
     take the compute ``dtype``, as the runtime casts them; packed 4-bit weights keep theirs.
+    Submodules in ``leave_out`` are not copied: their places in the copy hold None (the
+    caller removes them; ``profile.fold`` copies a few layers of a deep model).
     """
     torch_dtype = _torch_dtype(dtype)
     if isinstance(model_or_config, nn.Module):
@@ -112,6 +119,8 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32")
             )
         for b in model_or_config.buffers():
             memo[id(b)] = torch.empty_like(b, device="meta")
+        for m in leave_out:
+            memo[id(m)] = None
         meta = copy.deepcopy(model_or_config, memo)
         rebind_patched_forwards(model_or_config, meta, memo)
         set_training(meta, model_or_config.training)
@@ -360,6 +369,9 @@ class Trace:
     pins: list[tuple[str, str]] = field(default_factory=list)
     work: list[EventWork] = field(default_factory=list)
     live: list[tuple[int, int]] = field(default_factory=list)
+    #: per pin, how many events had begun when it was made (``profile.fold`` cuts the pins
+    #: where it cuts the events)
+    pin_events: list[int] = field(default_factory=list)
 
     def first_use_order(self, all_params: Iterable[str]) -> list[str]:
         """Parameters in the order the forward first uses them; unused ones at the end."""
@@ -443,10 +455,14 @@ class ExecutionTracer:
         now = self.tracker.current if self.tracker is not None else 0
         self.trace.live.append((now, now))
 
+    def _pin(self, kind: str, name: str) -> None:
+        self.trace.pins.append((kind, name))
+        self.trace.pin_events.append(len(self.trace.events))
+
     def _pre_hook(self, name: str):
         def hook(module, args, kwargs):
             self._event("recompute" if self.in_backward else "forward", name)
-            self.trace.pins.append(("pin", name))
+            self._pin("pin", name)
             self._stack.append(name)
             call = _Call(name, recomputed=self.in_backward)
             self._calls.setdefault(name, []).append(call)
@@ -460,7 +476,7 @@ class ExecutionTracer:
         def hook(module, args, output):
             if self._stack and self._stack[-1] == name:
                 self._stack.pop()
-            self.trace.pins.append(("unpin", name))
+            self._pin("unpin", name)
             call = self._calls[name].pop()
             if torch.is_grad_enabled():
                 on_output_grad(output, lambda: self._backward_begins(call))
@@ -474,12 +490,12 @@ class ExecutionTracer:
         call.pinned = True
         if not call.recomputed:  # a recomputed call's fetch event was its recompute
             self._event("backward", call.name)
-        self.trace.pins.append(("pin", call.name))
+        self._pin("pin", call.name)
 
     def _backward_done(self, call: _Call) -> None:
         if call.pinned and not call.done:
             call.done = True
-            self.trace.pins.append(("unpin", call.name))
+            self._pin("unpin", call.name)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
