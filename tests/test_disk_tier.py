@@ -307,3 +307,29 @@ def test_the_path_comes_from_the_environment_and_the_plugin_checks_it(tmp_path, 
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ElixirConfigError, match="nvme_path .* does not exist"):
         ElixirPlugin(nvme_path=str(tmp_path / "absent"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_bf16_masters_on_disk_equal_the_host_tier(optimizer, tmp_path) -> None:
+    """In bf16 the fp32 master is not the shard: the file holds it too (a third plane)."""
+    def make(params):
+        if optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=1e-2)
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+    out = []
+    for disk in (False, True):
+        model = _model(64, 12)
+        plan = _plan(model, 1, 64 * 64, disk)
+        plan.compute_dtype = "bfloat16"
+        emodel = hfe.ElixirModule(model, plan, nvme_path=str(tmp_path))
+        # the disk tier's updates inside step() (sgd) and behind the next forward (adamw)
+        opt = hfe.ElixirOptimizer(emodel, make(model.parameters()), overlap_host=not disk or optimizer == "adamw")
+        if disk:
+            assert all("master" in c.planes for c in emodel.disk.chunks.values())
+        _run(emodel, opt, _batches(0, 4))
+        out.append((emodel.state_dict(), opt.state_dict()))
+        emodel.close()
+    _assert_same(out[0][0], out[1][0])
+    _assert_same_opt(out[0][1], out[1][1])
+    assert list(tmp_path.iterdir()) == []
