@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
+from arch_configs import _tiny_on_meta
 from hf_elixir.profile import fold
 from hf_elixir.profile.fold import LayerStack, same_profile
 from hf_elixir.profile.profiler import profile_model
@@ -145,3 +146,20 @@ def test_fold_traces_a_few_layers_not_all() -> None:
     assert sorted(set(depths)) == [fold.TRACED, fold.TRACED + 1]
     assert len([p for p in profile.params if ".layers." in p.name]) == 64 * 9  # 9 weights a layer
     assert {e for _, e in profile.plain.trace.events if e.startswith("model.layers.63.")}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "mixtral", "mamba", "gemma3_text", "falcon_mamba"])
+def test_meta_kernel_cache_changes_no_profile(model_type) -> None:
+    """``profile.memory.META_KERNELS`` rebuilds what a meta kernel returned before: the
+    profiles made with it equal those made running every kernel."""
+    from hf_elixir.profile.memory import META_KERNELS
+
+    config, _ = _tiny_on_meta(model_type)
+    cached = [profile_model(config, (2, 16), dtype="float32") for _ in range(2)]  # the second: all hits
+    META_KERNELS.enabled = False
+    try:
+        plain = profile_model(config, (2, 16), dtype="float32")
+    finally:
+        META_KERNELS.enabled = True
+    for profile in cached:
+        assert same_profile(profile, plain), _differences(profile, plain)

@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 try:  # the FLOP formulas PyTorch's own FlopCounterMode uses
     from torch.utils.flop_counter import flop_registry as _FLOP_REGISTRY
@@ -118,10 +118,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if x.dtype == torch.bool:
                 return True
             return 0.0 if (x.is_floating_point() or x.is_complex()) else 0
-        try:
-            out = func(*args, **kwargs)
-        except RuntimeError:
-            out = _meta_retry_in_bf16(func, args, kwargs)
+        out = META_KERNELS.run(func, args, kwargs)
         fresh = [nb for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and (nb := self._track(t))]
         n = 0
         if self.count_flops and func._overloadpacket in _CPU_ATTENTION:
@@ -150,6 +147,126 @@ class LiveStorageTracker(TorchDispatchMode):
             else:
                 self.on_op(n, read, fresh, matmul_layout(func, args) if n else "")
         return out
+
+
+def _call(func, args, kwargs):
+    try:
+        return func(*args, **kwargs)
+    except RuntimeError:
+        return _meta_retry_in_bf16(func, args, kwargs)
+
+
+class MetaKernelCache:
+    """What meta kernels returned, by operator and input layouts, so each is run once.
+
+    On the meta device an operator's outputs depend on nothing but its inputs' shapes,
+    strides and dtypes and its other arguments, and many meta kernels are Python functions:
+    tracing a transformer runs the same few hundred operators on the same layouts once per
+    layer and pass. Only operators whose schema says they return new tensors (no output
+    aliases an input, no input is written) are remembered; their outputs are rebuilt as
+    fresh meta tensors of the same shapes, strides and dtypes, which is all a meta kernel
+    makes. Anything else (views, in-place operators, tensor subclasses, arguments that are
+    not plain values) runs the kernel every time."""
+
+    LIMIT = 200_000
+
+    def __init__(self) -> None:
+        self._outputs: dict[tuple, Any] = {}
+        self._fresh_only: dict[Any, bool] = {}
+        self.enabled = True  # tests compare profiles made with and without it
+
+    def run(self, func, args, kwargs):
+        key = self._key(func, args, kwargs) if self.enabled else None
+        if key is None:
+            return _call(func, args, kwargs)
+        spec = self._outputs.get(key)
+        if spec is not None:
+            leaves, tree = spec
+            return tree_unflatten([torch.empty_strided(leaf[1], leaf[2], dtype=leaf[3], device="meta")
+                                   if leaf[0] == "T" else leaf[1] for leaf in leaves], tree)
+        out = _call(func, args, kwargs)
+        spec = self._spec(out, args, kwargs)
+        if spec is not None:
+            if len(self._outputs) >= self.LIMIT:
+                self._outputs.clear()
+            self._outputs[key] = spec
+        return out
+
+    def _fresh(self, func) -> bool:
+        known = self._fresh_only.get(func)
+        if known is None:
+            schema = getattr(func, "_schema", None)
+            known = schema is not None and not any(r.alias_info is not None for r in schema.returns) and not any(
+                a.alias_info is not None and a.alias_info.is_write for a in schema.arguments)
+            self._fresh_only[func] = known
+        return known
+
+    def _key(self, func, args, kwargs) -> tuple | None:
+        if not self._fresh(func):
+            return None
+        try:
+            parts = [func, torch.get_default_dtype()]
+            _append_key(parts, args)
+            _append_key(parts, tuple(sorted(kwargs.items())) if kwargs else ())
+        except _Uncacheable:
+            return None
+        key = tuple(parts)
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    @staticmethod
+    def _spec(out, args, kwargs) -> tuple | None:
+        """How to rebuild ``out``: None unless every tensor in it is a plain meta tensor
+        with a storage of its own (not an input's, not another output's)."""
+        leaves, tree = tree_flatten(out)
+        taken = {t.untyped_storage()._cdata for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+        spec = []
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                if (type(leaf) is not torch.Tensor or not leaf.is_meta or leaf.storage_offset() != 0
+                        or leaf.is_conj() or leaf.is_neg() or leaf.layout != torch.strided):
+                    return None
+                storage = leaf.untyped_storage()
+                rebuilt = torch.empty_strided(leaf.shape, leaf.stride(), dtype=leaf.dtype, device="meta")
+                if storage._cdata in taken or rebuilt.untyped_storage().nbytes() != storage.nbytes():
+                    return None
+                taken.add(storage._cdata)
+                spec.append(("T", tuple(leaf.shape), tuple(leaf.stride()), leaf.dtype))
+            elif leaf is None or isinstance(leaf, (bool, int, float, str, torch.dtype)):
+                spec.append(("V", leaf))
+            else:
+                return None
+        return spec, tree
+
+
+class _Uncacheable(Exception):
+    pass
+
+
+_PLAIN = (bool, int, float, str, type(None), torch.dtype, torch.device, torch.layout, torch.memory_format)
+
+
+def _append_key(parts: list, value) -> None:
+    if isinstance(value, torch.Tensor):
+        if type(value) not in (torch.Tensor, nn.Parameter) or not value.is_meta or value.layout != torch.strided:
+            raise _Uncacheable
+        parts.append(("T", tuple(value.shape), value.stride(), value.dtype, value.storage_offset(),
+                      value.is_conj(), value.is_neg()))
+    elif isinstance(value, (list, tuple)):
+        parts.append(len(value))
+        for v in value:
+            _append_key(parts, v)
+    elif isinstance(value, _PLAIN):
+        parts.append((type(value), value))
+    else:
+        raise _Uncacheable
+
+
+#: shared by every trace in the process: a plan's passes and depths, and later plans, reuse it
+META_KERNELS = MetaKernelCache()
 
 
 _aten = torch.ops.aten

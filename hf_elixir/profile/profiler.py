@@ -220,10 +220,13 @@ def disable_checkpointing(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def _collector_paused() -> Iterator[None]:
-    """Python's cycle collector off for one traced step. Tensors caught in reference cycles
-    (activation checkpointing's holders, a mixture of experts' routing) die when the
-    collector happens to run, which would make the live bytes of a trace differ from one
-    run to the next; with it off they die at the same instant every time (after the step)."""
+    """Python's cycle collector paused for one traced step: the tracer collects young cycles
+    at every fetch event instead (``ExecutionTracer.collect``). Tensors caught in reference
+    cycles (activation checkpointing's holders, a mixture of experts' routing) otherwise die
+    whenever the collector happens to run, which made the live bytes of a trace differ from
+    one run to the next; collected at each event, they die at the same instants every run,
+    as soon after they become garbage as a real run's would, and every layer's trace looks
+    alike, which folding needs."""
     was = gc.isenabled()
     gc.collect()
     gc.disable()
@@ -243,6 +246,7 @@ def trace_step(
 ) -> PassProfile:
     """Run one step of ``model`` (meta or real) under the tracer and the storage tracker."""
     tracer = ExecutionTracer(model, fetch_units, borrowed)
+    tracer.collect = True
     tracker = LiveStorageTracker()
     tracker.on_flops = tracer.add_flops
     tracker.on_op = tracer.add_op

@@ -18,6 +18,7 @@ those are the units the runtime fetches; a *fetch unit* (a mixture-of-experts bl
 from __future__ import annotations
 
 import copy
+import gc
 import types
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -418,6 +419,9 @@ class ExecutionTracer:
         self._handles: list[Any] = []
         self._pending = EventWork()  # operators seen before the first event
         self.tracker: LiveStorageTracker | None = None  # set by trace_step: live bytes per event
+        #: collect young reference cycles at every event (``trace_step`` pauses the collector,
+        #: so that garbage dies at the same instants every run, and as soon as a real run's would)
+        self.collect = False
 
     def __enter__(self) -> "ExecutionTracer":
         for name, module in self.model.named_modules():
@@ -447,6 +451,8 @@ class ExecutionTracer:
                 self.trace.live[-1] = (at, self.tracker.current)
 
     def _event(self, phase: Phase, name: str) -> None:
+        if self.collect:
+            gc.collect(0)
         self.trace.events.append((phase, name))
         work = EventWork()
         if not self.trace.work:
