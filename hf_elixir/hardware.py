@@ -35,6 +35,12 @@ class HardwareError(HfElixirError, ValueError):
     """An unknown preset, an unparsable memory size or an unreadable calibration file."""
 
 
+#: the disk tier's bandwidth where none was measured: a PCIe 3.0/4.0 NVMe drive's sustained
+#: sequential figures under O_DIRECT, below the datasheets' burst numbers (an estimate)
+NVME_READ = 2.0e9
+NVME_WRITE = 1.0e9
+
+
 @dataclass
 class HardwareProfile:
     """One node type: per-device figures plus how many devices and nodes there are.
@@ -55,7 +61,14 @@ class HardwareProfile:
         device_adam_throughput: fused AdamW on the device, parameters/s.
         cpu_adam_throughput: vectorised CPU AdamW, parameters/s for the whole host (shared by
             the node's ranks).
-        cpu_memory: host memory per node, bytes.
+        cpu_memory: host memory per node the plan may use, bytes (the host-memory budget:
+            offloaded state counts against it for all the node's ranks together). Presets give
+            the node's memory; ``detect()`` on a GPU machine what the host has available now.
+        disk_read_bandwidth, disk_write_bandwidth: sequential bandwidth of the disk tier's
+            directory at chunk-sized blocks, B/s, shared by the node's ranks
+            (``hf_elixir.measure.disk``; presets: an NVMe estimate).
+        disk_free: free bytes the disk tier may use on each node; None: not known, not checked
+            (a plan for hardware one does not have, without ``--nvme-size``).
         context_bytes: device memory the runtime cannot use (CUDA context, NCCL buffers).
         reduce_bandwidth: bus bandwidth of the runtime's gradient reduction, B/s (0: the same
             as ``collective_bandwidth``; on gloo the runtime reduces with another algorithm).
@@ -89,6 +102,9 @@ class HardwareProfile:
     device_adam_throughput: float = 20e9
     cpu_adam_throughput: float = 1.5e9
     cpu_memory: int = 512 * GiB
+    disk_read_bandwidth: float = NVME_READ
+    disk_write_bandwidth: float = NVME_WRITE
+    disk_free: int | None = None
     context_bytes: int = 512 * 2**20
     reduce_bandwidth: float = 0.0
     compute: dict[str, dict] = field(default_factory=dict)
@@ -219,7 +235,7 @@ class HardwareProfile:
                                      device_memory=int(props.total_memory))
             prof.name = props.name
             prof.sources["device_memory"] = MEASURED
-            prof.cpu_memory = _host_memory()
+            prof.cpu_memory = _host_memory_available()
             prof.sources["cpu_memory"] = MEASURED
             return prof
         prof = cls.preset("cpu")
@@ -293,6 +309,7 @@ def _src(**overrides: str) -> dict[str, str]:
         "inter_node_bandwidth": ESTIMATE, "collective_latency": ESTIMATE,
         "matmul_efficiency": ESTIMATE, "device_adam_throughput": ESTIMATE,
         "cpu_adam_throughput": ESTIMATE, "cpu_memory": ESTIMATE, "context_bytes": ESTIMATE,
+        "disk_read_bandwidth": ESTIMATE, "disk_write_bandwidth": ESTIMATE,
     }
     base.update(overrides)
     return base
@@ -365,6 +382,20 @@ def _host_memory() -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
         return 64 * GiB
+
+
+def _host_memory_available() -> int:
+    """What the host can give a run now (``MemAvailable``: free memory plus reclaimable
+    cache), the default host-memory budget on a GPU machine; the search keeps a margin of it
+    (``planner.search.HOST_USABLE``). The whole memory where the kernel does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return min(int(line.split()[1]) * 1024, _host_memory())
+    except (OSError, ValueError, IndexError):
+        pass
+    return _host_memory()
 
 
 def cache_path() -> Path:

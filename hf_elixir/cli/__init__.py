@@ -19,7 +19,7 @@ from hf_elixir.cli.common import EXIT_INFEASIBLE, EXIT_OK, EXIT_USAGE, CLIError
 from hf_elixir.cli.demo import register_demo
 from hf_elixir.cli.launch import launch_main, register_config, register_launch
 from hf_elixir.hardware import HardwareError, HardwareProfile, cache_path, parse_memory
-from hf_elixir.measure import calibrate_machine
+from hf_elixir.measure import calibrate_machine, with_disk
 from hf_elixir.planner.record import PlanError
 from hf_elixir.planner.search import plan as make_plan
 from hf_elixir.planner.summary import _MEM_ORDER, chosen_as_dict, summary
@@ -99,6 +99,16 @@ def register_plan(sub) -> None:
                         "needs bitsandbytes")
     p.add_argument("--double-quant", action="store_true",
                    help="with --load-in-4bit: bnb_4bit_use_double_quant (block scales in 8 bits)")
+    p.add_argument("--host-memory", default=None, metavar="SIZE",
+                   help="host memory per machine the plan may use, e.g. 64GiB (default: the preset's, or what "
+                        "this machine has available)")
+    p.add_argument("--nvme", nargs="?", const="", default=None, metavar="PATH",
+                   help="plan with a disk tier for optimizer state that device and host memory cannot hold; "
+                        "PATH (a directory) is checked for free space and its bandwidth measured (cached), "
+                        "without PATH the preset's NVMe estimate is used")
+    p.add_argument("--nvme-size", default=None, metavar="SIZE",
+                   help="free disk space per machine the disk tier may use, e.g. 500GB (default: PATH's free "
+                        "space; without PATH, unchecked)")
     p.add_argument("--json", dest="json_path", default=None, help="write the plan as JSON here")
     p.add_argument("--plot", default=None, help="write a PNG of memory and step-time breakdowns here")
     p.set_defaults(func=cmd_plan)
@@ -108,6 +118,8 @@ def _hardware_from_args(args):
     try:
         hw = HardwareProfile.preset(args.hardware) if args.hardware else HardwareProfile.detect()
         memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
+        if getattr(args, "host_memory", None) is not None:  # checked here, applied by the search
+            parse_memory(args.host_memory)
     except HardwareError as e:
         raise CLIError(str(e)) from e
     if args.gpus is not None and args.gpus < 1:
@@ -118,7 +130,27 @@ def _hardware_from_args(args):
         print(f"hf-elixir {args.command}: note: no --hardware given and this machine has no GPU, so the plan "
               f"is for its CPU ({hw.name}); pass --hardware (e.g. a100-80g, rtx4090) to plan for GPUs",
               file=sys.stderr)
-    return hw.with_cluster(gpus_per_node=args.gpus, nodes=args.nodes, device_memory=memory)
+    return _with_disk(hw.with_cluster(gpus_per_node=args.gpus, nodes=args.nodes, device_memory=memory), args)
+
+
+def _with_disk(hw: HardwareProfile, args) -> HardwareProfile:
+    """``hw`` with the disk tier's figures from ``--nvme PATH`` (its measured bandwidth,
+    cached per machine and path, and its free space) and ``--nvme-size``."""
+    if getattr(args, "nvme", None) is None:
+        if getattr(args, "nvme_size", None) is not None:
+            raise CLIError("--nvme-size sizes the disk tier; add --nvme to plan with one")
+        return hw
+    if args.nvme:
+        root = Path(args.nvme).expanduser()
+        if not root.is_dir():
+            raise CLIError(f"--nvme {args.nvme}: not a directory; name an existing directory on a fast local disk")
+        hw = with_disk(hw, root)
+    if args.nvme_size is not None:
+        try:
+            hw.disk_free = parse_memory(args.nvme_size)
+        except HardwareError as e:
+            raise CLIError(f"--nvme-size: {e}") from e
+    return hw
 
 
 def _lora_builder(args) -> Callable | None:
@@ -183,7 +215,7 @@ def cmd_plan(args) -> int:
                                   f" + LoRA r{args.lora_r} ({targets})")
         result = make_plan(cfg, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
                            dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency,
-                           profile=profile)
+                           profile=profile, host_memory=args.host_memory, nvme=args.nvme is not None)
     except PlanError as e:
         print(f"hf-elixir plan: {e}", file=sys.stderr)
         return EXIT_INFEASIBLE

@@ -15,9 +15,11 @@ import torch
 from torch import nn
 
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
+from hf_elixir.measure.disk import with_disk
 from hf_elixir.planner.record import ElixirPlan, PlanError
 from hf_elixir.planner.replan import with_split
 from hf_elixir.profile.profiler import model_checkpoints
+from hf_elixir.runtime.disk_tier import resolve_path
 from hf_elixir.vocab import torch_dtype
 from hf_elixir.planner.search import plan as search
 
@@ -124,10 +126,15 @@ def make_plan(
         )
 
 
+    # with a disk tier named (nvme_path, ELIXIR_NVME_PATH) the search may use it, priced at
+    # that disk's measured bandwidth (cached per machine and path) and sized to its free space
+    nvme = resolve_path(plugin.nvme_path)
+    hardware = with_disk(plugin.hardware, nvme) if nvme is not None else plugin.hardware
+
     def searched(shape: tuple[int, int]) -> ElixirPlan:
-        return search(model, shape, hardware=plugin.hardware, world_size=world_size, dtype=dtype,
+        return search(model, shape, hardware=hardware, world_size=world_size, dtype=dtype,
                       optimizer=optimizer, memory_budget=plugin.gpu_memory, efficiency=plugin.efficiency,
-                      nodes=machines)
+                      nodes=machines, nvme=nvme is not None)
 
     try:
         return searched(batch_shape)

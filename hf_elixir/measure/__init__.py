@@ -10,11 +10,11 @@ because it runs the real runtime and the real model.
 - ``steal.py``: the share of CPU time a hypervisor took while something was measured.
 """
 
-from hf_elixir.measure.disk import DiskFigures, disk_figures, measure_disk
+from hf_elixir.measure.disk import DiskFigures, disk_figures, measure_disk, with_disk
 from hf_elixir.measure.machine import calibrate_machine
 from hf_elixir.measure.model_efficiency import measure as _measure_model
 from hf_elixir.planner.efficiency import set_measurer
 
 set_measurer(_measure_model)
 
-__all__ = ["DiskFigures", "calibrate_machine", "disk_figures", "measure_disk"]
+__all__ = ["DiskFigures", "calibrate_machine", "disk_figures", "measure_disk", "with_disk"]

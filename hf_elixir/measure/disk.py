@@ -35,7 +35,7 @@ import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hf_elixir.hardware import cache_path
+from hf_elixir.hardware import MEASURED, HardwareProfile, cache_path
 
 #: O_DIRECT's alignment of buffers, offsets and sizes, as the runtime's tier uses
 ALIGN = 4096
@@ -154,7 +154,20 @@ def disk_figures(path: str | os.PathLike, refresh: bool = False, block_bytes: in
     figs = measure_disk(key, block_bytes=block_bytes, total_bytes=total_bytes)
     cached[key] = asdict(figs)
     store.parent.mkdir(parents=True, exist_ok=True)
-    tmp = store.with_suffix(".tmp")
+    tmp = store.with_suffix(f".{os.getpid()}.tmp")  # ranks of one machine may race here
     tmp.write_text(json.dumps(cached, indent=1))
     os.replace(tmp, store)
     return figs
+
+
+def with_disk(hw: "HardwareProfile | str | None", path: str | os.PathLike) -> HardwareProfile:
+    """A copy of ``hw`` (a profile, a preset name, or None for this machine) that plans a disk
+    tier under ``path``: its bandwidth as measured there (``disk_figures``, cached) and its
+    free space now, so the search neither prices nor sizes the tier from a guess."""
+    base = HardwareProfile.detect() if hw is None else HardwareProfile.preset(hw) if isinstance(hw, str) else hw
+    out = base.with_cluster()
+    figs = disk_figures(path)
+    out.disk_read_bandwidth, out.disk_write_bandwidth = figs.read_bytes_per_s, figs.write_bytes_per_s
+    out.sources["disk_read_bandwidth"] = out.sources["disk_write_bandwidth"] = MEASURED
+    out.disk_free = shutil.disk_usage(figs.path).free
+    return out

@@ -29,6 +29,8 @@ class Candidate:
     ledger_peak: int = 0  # what the runtime's ledger holds at its own peak
     n_frozen: int = 0       # chunks that hold frozen parameters (among n_chunks)
     n_frozen_cpu: int = 0   # the last of them whose shards live on the CPU
+    n_optim_disk: int = 0   # the last of the optimizer-offloaded chunks whose state is on disk
+    host_end: float = 0.0   # when the host updates end (planner/disk.py extends it by disk I/O)
 
     @property
     def n_trainable(self) -> int:

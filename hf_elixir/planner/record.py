@@ -146,11 +146,12 @@ class ElixirPlan:
         return [name for chunk in self.chunks for name in chunk.params]
 
     def offload_fraction(self) -> float:
-        """Fraction of trainable chunks whose optimizer state lives in CPU memory."""
+        """Fraction of trainable chunks whose optimizer state is off the device (in host memory
+        or on the disk tier, whose chunks are updated on the host too)."""
         trainable = [c for c in self.chunks if not c.frozen]
         if not trainable:
             return 0.0
-        return sum(c.optim_placement == "cpu" for c in trainable) / len(trainable)
+        return sum(c.optim_placement != "device" for c in trainable) / len(trainable)
 
     @property
     def frozen_chunks(self) -> list[int]:

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hf_elixir.hardware import HardwareProfile, parse_memory
-from hf_elixir.planner import cost, fetches, levers, packing, pricing, traffic
+from hf_elixir.planner import cost, disk, fetches, levers, packing, pricing, traffic
 from hf_elixir.planner.candidate import Candidate, chain, signature
 from hf_elixir.planner.efficiency import compute_figures, model_efficiency
 from hf_elixir.planner.record import ChunkPlan, ElixirPlan, PlanError, canonical_dtype
@@ -290,7 +290,7 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.Si
             "exposed_cpu": exposed_cpu,
             "step": step,
         },
-        gathers=sim.gathers,
+        gathers=sim.gathers, host_end=cpu_end if hw.device_type != "cpu" else step,
     )
 
 
@@ -307,6 +307,8 @@ def plan(
     alternatives: int = 5,
     efficiency: float | str = "auto",
     nodes: int | None = None,
+    host_memory: int | str | None = None,
+    nvme: bool = False,
 ) -> ElixirPlan:
     """Profile ``model`` on the meta device and return the fastest plan that fits.
 
@@ -326,6 +328,11 @@ def plan(
         dtype: compute dtype ("bf16", "fp16", "fp32").
         optimizer: "adamw", "adam" or "sgd" (with momentum).
         memory_budget: bytes (or "24GiB") per device the plan may use; default the device memory.
+        host_memory: bytes (or "64GiB") of host memory per machine offloaded state may use
+            (a share ``HOST_USABLE`` of it); default the profile's ``cpu_memory``.
+        nvme: plan with a disk tier: optimizer state that neither device nor host memory
+            holds goes to disk (``planner/disk.py``), priced at the profile's disk figures and
+            checked against its ``disk_free``. The run then needs an ``nvme_path``.
         profile: a ``ModelProfile`` to reuse (must match model, batch and dtype).
         efficiency: how the step's compute is priced against the per-operator figures.
             ``"auto"``: when ``hardware`` is a calibration of this machine, the model is
@@ -349,6 +356,9 @@ def plan(
     if W < 1:
         raise PlanError(f"world_size must be >= 1, got {W}")
     budget = parse_memory(memory_budget) if memory_budget is not None else hw.device_memory
+    if host_memory is not None:
+        hw = hw.with_cluster()  # a copy: the caller's profile is not changed
+        hw.cpu_memory, hw.sources["cpu_memory"] = parse_memory(host_memory), "user"
     untrainable = PlanError(
         "the model has no floating-point parameters that require gradients, so there is nothing "
         "to train; unfreeze some (or add an adapter, e.g. peft.get_peft_model) before planning"
@@ -372,14 +382,20 @@ def plan(
     all_cands = cands
     if hw.device_type == "cuda":  # offloaded state must fit in the node's host memory
         host = lambda c: _host_bytes(c, W, compute_dtype, optimizer) * min(W, hw.gpus_per_node)  # noqa: E731
-        cands = [c for c in cands if host(c) <= HOST_USABLE * hw.cpu_memory]
+        if nvme:  # the fewest trailing chunks on disk that host memory needs, or none
+            cands = disk.place(cands, host, HOST_USABLE * hw.cpu_memory, W, optimizer, hw, budget)
+        else:
+            cands = [c for c in cands if host(c) <= HOST_USABLE * hw.cpu_memory]
         if not any(c.peak <= budget for c in cands):
             blocked = [c for c in all_cands if c.peak <= budget]
             if blocked:  # device memory would do; the host cannot hold what must be offloaded
+                if nvme:  # even with every offloaded optimizer on disk (gradient shards stay)
+                    blocked = [disk.priced(c, c.n_optim_cpu, W, optimizer, hw) for c in blocked]
                 need = min(host(c) for c in blocked)
                 raise PlanError(
                     f"no plan fits: plans that fit {format_bytes(budget)} per device exist, but they "
-                    f"offload state needing at least {format_bytes(need)} of CPU memory per node, more "
+                    f"offload state needing at least {format_bytes(need)} of CPU memory per node"
+                    f"{' with every offloaded optimizer on disk' if nvme else ''}, more "
                     f"than the {format_bytes(HOST_USABLE * hw.cpu_memory)} usable of "
                     f"{format_bytes(hw.cpu_memory)} on {hw.name}. Use a machine with more CPU memory, "
                     "more GPUs (each holds a smaller shard) or GPUs with more memory."
@@ -417,9 +433,10 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
     n = len(chunks)
     frozen = frozen_chunk_ids(chunks, {p.name for p in profile.params if p.frozen})
     places = packing.Placements.tails(n, frozen, c.n_optim_cpu, c.n_param_cpu, c.n_frozen_cpu)
+    on_disk = packing.Placements.tails(n, frozen, c.n_optim_disk, 0, 0).optim_cpu
     plan_chunks = [
         ChunkPlan(params=list(ch),
-                  optim_placement="cpu" if i in places.optim_cpu else "device",
+                  optim_placement="disk" if i in on_disk else "cpu" if i in places.optim_cpu else "device",
                   param_placement="cpu" if i in places.param_cpu else "device",
                   numel=sum(sizes[name] for name in ch),
                   frozen=i in frozen)
@@ -465,6 +482,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         "margin": {"allocator_fraction": cost.allocator_margin(hw),
                    "context_bytes": hw.context_bytes if hw.device_type == "cuda" else 0},
         **(extra or {}),
+        **({"disk": disk.predictions(c, W, optimizer, hw)} if c.n_optim_disk else {}),
     }
     result = ElixirPlan(
         world_size=W,
@@ -544,5 +562,7 @@ def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
     shard per offloaded trainable or frozen chunk."""
     shard = c.chunk_size // W
     per = 4 + cost.OPTIMIZER_STATE_BYTES[optimizer] + 4
-    return (c.n_optim_cpu * shard * per
+    # disk chunks keep only their gradient shard here, and the ring holds a few of them
+    on_disk = disk.disk_bytes(c, W, optimizer) - disk.ring_bytes(c, W, optimizer)
+    return (c.n_optim_cpu * shard * per - on_disk
             + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype])

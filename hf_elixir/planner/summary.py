@@ -48,13 +48,31 @@ def chosen_as_dict(plan) -> dict[str, Any]:
         "chunk_size": plan.chunk_size, "n_chunks": plan.n_chunks,
         "rcache_blocks": plan.rcache_blocks, "activation_checkpointing": plan.activation_checkpointing,
         "prefetch_depth": plan.prefetch_depth,
-        "optim_offload_chunks": sum(c.optim_placement == "cpu" and not c.frozen for c in plan.chunks),
+        # disk chunks are host chunks whose state also lies on disk: counted here, and apart below
+        "optim_offload_chunks": sum(c.optim_placement != "device" and not c.frozen for c in plan.chunks),
         "param_offload_chunks": sum(c.param_placement == "cpu" and not c.frozen for c in plan.chunks),
         "frozen_chunks": sum(c.frozen for c in plan.chunks),
         "frozen_offload_chunks": sum(c.param_placement == "cpu" and c.frozen for c in plan.chunks),
         "peak_bytes": p.get("peak_bytes", 0), "step_time_s": p.get("step_time_s", 0.0),
         "memory": p.get("memory", {}), "time": p.get("time", {}), "reason": CHOICE_RULE,
     }
+
+
+def _tiers(plan) -> list[str]:
+    """The three tiers of a plan with a disk tier: what each holds per rank, and the disk's
+    traffic and its price per step."""
+    p, d = plan.predictions, plan.predictions["disk"]
+    on_disk = sum(c.optim_placement == "disk" for c in plan.chunks)
+    free = f", {format_bytes(d['free_bytes'])} free" if d.get("free_bytes") is not None else ""
+    return [
+        f"  tiers per rank: device {format_bytes(p['peak_bytes'])} (peak), host "
+        f"{format_bytes(p.get('host_bytes_per_rank', 0))}, disk {format_bytes(d['bytes_per_rank'])} "
+        f"({on_disk} chunk(s); {format_bytes(d['bytes_per_node'])} per machine{free})",
+        f"  disk traffic per step: {format_bytes(d['read_bytes_per_step'])} read + "
+        f"{format_bytes(d['write_bytes_per_step'])} written per rank at {d['read_bandwidth'] / 1e9:.2f} / "
+        f"{d['write_bandwidth'] / 1e9:.2f} GB/s, {d['seconds_per_step'] * 1e3:.0f} ms "
+        f"({d['exposed_seconds'] * 1e3:.0f} ms not hidden behind the host update)",
+    ]
 
 
 def summary(plan) -> str:
@@ -84,6 +102,8 @@ def summary(plan) -> str:
             node = host * p.get("ranks_per_node", plan.world_size)
             lines.append(f"  host memory for offloaded state: {format_bytes(host)} per GPU, "
                          f"{format_bytes(node)} per machine")
+        if p.get("disk"):
+            lines += _tiers(plan)
         if plan.micro_batch_split > 1:
             b = p.get("batch_size")
             lines.append(f"  micro-batch: each batch of {b * plan.micro_batch_split if b else '?'} per device runs as "

@@ -205,7 +205,8 @@ def plan_traffic(plan, param_numels: Mapping[str, int], gathers: Sequence[int], 
         numels, itemsize, gathers, plan.world_size, device_type=device_type,
         n_params=sum(len(c.params) for c in plan.chunks),
         param_cpu=[c.param_placement == "cpu" for c in plan.chunks],
-        optim_cpu=[c.optim_placement == "cpu" and not c.frozen for c in plan.chunks],
+        # a disk chunk's gradient shard goes down and its update runs on the host, as a "cpu" one's
+        optim_cpu=[c.optim_placement != "device" and not c.frozen for c in plan.chunks],
         host=host, norm_type=norm_type, loss_scaling=plan.compute_dtype == "float16",
         micro_batches=micro_batches, frozen=[c.frozen for c in plan.chunks],
     )

@@ -1,0 +1,124 @@
+"""The disk tier in the search: which chunks go to disk, what that costs, and whether it fits.
+
+Host memory is a budget like device memory (``HardwareProfile.cpu_memory``, all the node's
+ranks together). A candidate whose offloaded state does not fit it may still run if the
+optimizer side of some of its offloaded chunks (fp32 master and optimizer state; their
+gradient shards and compute-dtype shards stay in host memory, as the runtime keeps them)
+lives on disk (``optim_placement="disk"``, ``runtime/disk_tier.py``). The search asks for
+it only when a disk tier was named (``hfe.plan(..., nvme=True)``), and puts on disk only as
+many chunks as host memory cannot hold, the trailing ones first (the offload levers' order).
+
+Price: each disk chunk's update reads its planes from disk and writes them back. The
+runtime overlaps both with the host updates (read-ahead and write-behind through a ring of
+``RING`` buffers), so the step pays only ``max(0, disk time - host update time)``; the disk
+is shared by the node's ranks, so its time is the node's bytes over its bandwidth. Reads
+and writes share the disk, so their times add.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hf_elixir.hardware import HardwareProfile
+from hf_elixir.planner.candidate import Candidate
+from hf_elixir.planner.memory_model import OPTIMIZER_STATE_BYTES
+from hf_elixir.planner.record import PlanError
+from hf_elixir.vocab import format_bytes
+
+#: host buffers of the runtime's ring (``runtime/disk_tier.DiskTier``'s default), each as
+#: large as the largest chunk's planes
+RING = 3
+
+
+def bytes_per_element(optimizer: str) -> int:
+    """Disk bytes per element of a disk chunk's shard: its fp32 master and optimizer state."""
+    return 4 + OPTIMIZER_STATE_BYTES[optimizer]
+
+
+def disk_bytes(c: Candidate, W: int, optimizer: str) -> int:
+    """Disk bytes one rank's disk chunks take (every chunk counted full size, as the host
+    budget counts them)."""
+    return c.n_optim_disk * (c.chunk_size // W) * bytes_per_element(optimizer)
+
+
+def ring_bytes(c: Candidate, W: int, optimizer: str) -> int:
+    """Host memory the ring takes on a rank with disk chunks."""
+    return RING * (c.chunk_size // W) * bytes_per_element(optimizer) if c.n_optim_disk else 0
+
+
+def disk_seconds(rank_bytes: float, ranks_per_node: int, hw: HardwareProfile) -> float:
+    """One step's disk I/O: every rank's disk chunks read and written back, on one disk."""
+    node = rank_bytes * max(1, ranks_per_node)
+    return node / hw.disk_read_bandwidth + node / hw.disk_write_bandwidth
+
+
+def exposed(disk_s: float, overlap_s: float) -> float:
+    """What the step waits for: the disk time the host updates beside it do not cover."""
+    return max(0.0, disk_s - overlap_s)
+
+
+def priced(c: Candidate, q: int, W: int, optimizer: str, hw: HardwareProfile) -> Candidate:
+    """``c`` with its last ``q`` optimizer-offloaded chunks on disk, its step re-priced: the
+    host updates end later by the exposed disk time, the device's end is unchanged."""
+    out = replace(c, n_optim_disk=q, time=dict(c.time))
+    if not q:
+        return out
+    io = disk_seconds(disk_bytes(out, W, optimizer), min(W, hw.gpus_per_node), hw)
+    late = exposed(io, c.time.get("cpu_optimizer", 0.0))
+    device_end = c.time["forward_backward"] + c.time["device_optimizer"]
+    out.host_end = c.host_end + late
+    out.step_time = max(device_end, out.host_end)
+    out.time.update(disk_io=io, exposed_disk=late, exposed_cpu=max(0.0, out.host_end - device_end),
+                    step=out.step_time)
+    return out
+
+
+def place(cands: list[Candidate], host_bytes, host_budget: float, W: int, optimizer: str,
+          hw: HardwareProfile, budget: float) -> list[Candidate]:
+    """Each candidate with the fewest trailing disk chunks that bring its offloaded state
+    (``host_bytes(candidate)``, per node) within ``host_budget``; candidates that do not fit
+    even with every offloaded optimizer on disk are dropped. With a known free disk space
+    (``hw.disk_free``), candidates needing more are dropped too, and when that leaves no
+    candidate within the device ``budget`` that host memory would allow, a ``PlanError`` says
+    how much more disk is needed."""
+    ranks = min(W, hw.gpus_per_node)
+    out, short = [], []
+    for c in cands:
+        for q in range(c.n_optim_cpu + 1):
+            d = priced(c, q, W, optimizer, hw)
+            if host_bytes(d) <= host_budget:
+                break
+        else:
+            continue
+        if hw.disk_free is not None and disk_bytes(d, W, optimizer) * ranks > hw.disk_free:
+            short.append(d)
+            continue
+        out.append(d)
+    if short and not any(c.peak <= budget for c in out) and any(c.peak <= budget for c in short):
+        need = min(disk_bytes(c, W, optimizer) * ranks for c in short if c.peak <= budget)
+        raise PlanError(
+            f"no plan fits: the disk tier needs at least {format_bytes(need)} ({need} bytes) of free disk "
+            f"per machine, but {format_bytes(hw.disk_free)} ({hw.disk_free} bytes) is available; "
+            f"{format_bytes(need - hw.disk_free)} more is needed. Free space there, name a larger disk, "
+            "or use more host memory or GPUs.")
+    return out
+
+
+def predictions(c: Candidate, W: int, optimizer: str, hw: HardwareProfile) -> dict:
+    """The plan's ``predictions["disk"]``: the disk tier's chunks, bytes and traffic."""
+    rank = disk_bytes(c, W, optimizer)
+    ranks = min(W, hw.gpus_per_node)
+    return {
+        "chunks": c.n_optim_disk,
+        "bytes_per_rank": rank,
+        "bytes_per_node": rank * ranks,
+        "ring_bytes_per_rank": ring_bytes(c, W, optimizer),
+        # every disk chunk's planes read before its update and written back after it
+        "read_bytes_per_step": rank,
+        "write_bytes_per_step": rank,
+        "read_bandwidth": hw.disk_read_bandwidth,
+        "write_bandwidth": hw.disk_write_bandwidth,
+        "free_bytes": hw.disk_free,
+        "seconds_per_step": c.time.get("disk_io", 0.0),
+        "exposed_seconds": c.time.get("exposed_disk", 0.0),
+    }
