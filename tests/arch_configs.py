@@ -367,6 +367,27 @@ def tiny_config(model_type: str, rules: Rules = RULES[0]):
     return config
 
 
+def deep_tiny_config(model_type: str, layers: int):
+    """The tiny config of ``model_type`` (as ``build_tiny`` builds it) made ``layers`` deep:
+    its per-layer lists repeated to the new depth in the same pattern (a hybrid stays a
+    hybrid); None when the config cannot be made deeper."""
+    import copy
+
+    config, _ = _tiny_on_meta(model_type)
+    depth = getattr(config, "num_hidden_layers", None)
+    if not isinstance(depth, int) or depth < 1:
+        return None
+    deep = copy.deepcopy(config)
+    for key, value in list(vars(config).items()):
+        if isinstance(value, list) and len(value) == depth:
+            setattr(deep, key, (value * layers)[:layers])
+    try:
+        deep.num_hidden_layers = layers
+    except Exception:  # a config whose depth is derived from other fields
+        return None
+    return deep
+
+
 def _tiny_on_meta(model_type: str):
     """(config, meta model) from the first of ``RULES`` whose model builds; the first
     rules' error when none does."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
-from arch_configs import _tiny_on_meta
+from arch_configs import _tiny_on_meta, deep_tiny_config
 from hf_elixir.profile import fold
 from hf_elixir.profile.fold import LayerStack, same_profile
 from hf_elixir.profile.profiler import profile_model
@@ -163,3 +163,19 @@ def test_meta_kernel_cache_changes_no_profile(model_type) -> None:
         META_KERNELS.enabled = True
     for profile in cached:
         assert same_profile(profile, plain), _differences(profile, plain)
+
+
+#: one of each kind: dense decoders, a mixture of experts that folds and ones that do not (a
+#: dense prefix, per-layer kinds), state-space and hybrid stacks; benchmarks/sweep_fold.py
+#: runs every architecture transformers ships
+KINDS = ["gpt2", "bloom", "falcon", "mixtral", "qwen3_moe", "deepseek_v3", "gemma3_text", "mamba", "jamba"]
+
+
+@pytest.mark.parametrize("model_type", KINDS)
+def test_folded_profile_is_the_full_profile(model_type) -> None:
+    config = deep_tiny_config(model_type, fold.MIN_LAYERS)
+    folded = profile_model(config, (1, 16), dtype="float32")
+    full = profile_model(config, (1, 16), dtype="float32", fold=False)
+    assert same_profile(folded, full), _differences(folded, full)
+    if model_type in ("gpt2", "bloom", "falcon", "mixtral", "mamba"):
+        assert folded.extra.get("traced_layers") == fold.TRACED  # these do fold
