@@ -7,8 +7,9 @@ Two kinds of rows, three repeats each (median reported):
 
 - ``in_process``: ``hfe.plan(config)`` for Llama-2 7B and 13B (bf16 AdamW, batch 1 x 1024)
   on one 24 GB card and on 8 x 80 GB, in a process that has imported everything: what a
-  launch pays for ``plan: auto``. Each is also planned with ``fold=False`` profiling (every
-  layer traced: the baseline before ``profile.fold``), and the two plans must agree.
+  launch pays for ``plan: auto``, from a cold start (the meta kernels' remembered outputs
+  cleared before each). Each is also planned the way it was before folding (``fold=False``:
+  every layer traced, every meta kernel run), and the two plans must agree.
 - ``cli``: the ``hf-elixir plan`` command as a user runs it, in a fresh process, imports
   included: Llama-2 70B QLoRA on 2 x rtx4090 (issue 37's target: under 10 s), and Llama-2 7B
   with LoRA and in full on one rtx4090.
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import hf_elixir as hfe
 from hf_elixir.profile.configs import known_config
+from hf_elixir.profile.memory import META_KERNELS
 from hf_elixir.profile.profiler import profile_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,9 +56,16 @@ def _outcome(plan) -> str:
 
 
 def _plan(model: str, hardware: str, gpus: int, fold: bool):
+    """One plan from a cold start: the meta kernels' outputs forgotten first. ``fold=False``
+    is the baseline before this work: every layer traced and every meta kernel run."""
     config = known_config(model)
+    META_KERNELS.clear()
+    META_KERNELS.enabled = fold
     t0 = time.perf_counter()
-    profile = profile_model(config, (1, 1024), dtype="bf16", attention_target="cuda", fold=fold)
+    try:
+        profile = profile_model(config, (1, 1024), dtype="bf16", attention_target="cuda", fold=fold)
+    finally:
+        META_KERNELS.enabled = True
     try:
         plan = hfe.plan(config, (1, 1024), hardware=hardware, world_size=gpus, dtype="bf16", profile=profile)
         outcome = _outcome(plan)

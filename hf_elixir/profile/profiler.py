@@ -27,6 +27,7 @@ from hf_elixir.profile.trace import (
     build_meta_model,
     find_borrowed_reads,
     make_batch,
+    own_meta_model,
     module_parameters,
     set_training,
     tied_parameters,
@@ -228,8 +229,7 @@ def _collector_paused() -> Iterator[None]:
     as soon after they become garbage as a real run's would, and every layer's trace looks
     alike, which folding needs."""
     was = gc.isenabled()
-    gc.collect()
-    gc.disable()
+    gc.disable()  # no full collection first: storages made before the step are not counted
     try:
         yield
     finally:
@@ -304,8 +304,8 @@ def profile_model(
         raise TypeError("build= makes a model from a config; pass the config, not a module")
 
     def make(config: Any) -> nn.Module:
-        # a built model is copied as any module is: floating parameters in the compute dtype
-        return build_meta_model(build(config), dtype) if build else build_meta_model(config, dtype)
+        # a built model gets its floating parameters in the compute dtype, as a copied one does
+        return own_meta_model(build(config), dtype) if build else build_meta_model(config, dtype)
 
     def profile_of(meta: nn.Module) -> ModelProfile:
         return _profile_meta(set_training(meta, True), example_batch, dtype, attention_target, checkpointing)

@@ -137,6 +137,24 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32",
     return model
 
 
+def own_meta_model(model: nn.Module, dtype: str | torch.dtype) -> nn.Module:
+    """A model the caller built on the meta device for profiling (and so owns), with its
+    floating-point parameters in the compute dtype as ``build_meta_model`` would give them,
+    cast in place rather than copied; any other model is copied by ``build_meta_model``."""
+    if not all(p.is_meta for p in model.parameters()):
+        return build_meta_model(model, dtype)
+    torch_dtype = _torch_dtype(dtype)
+    cast: dict[int, nn.Parameter] = {}  # tied parameters stay one parameter
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or is_packed(p) or not p.is_floating_point() or p.dtype == torch_dtype:
+                continue
+            if id(p) not in cast:
+                cast[id(p)] = nn.Parameter(torch.empty_like(p, dtype=torch_dtype), requires_grad=p.requires_grad)
+            module._parameters[name] = cast[id(p)]
+    return model
+
+
 def make_batch(
     example_batch: dict[str, torch.Tensor] | tuple[int, int],
     vocab_size: int | None = None,
