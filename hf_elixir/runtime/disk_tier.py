@@ -290,10 +290,19 @@ def _bytes(t: torch.Tensor) -> memoryview:
 
 @dataclass
 class _Counters:
-    """Bytes moved between the ring and the file since the tier opened."""
+    """Bytes moved between the ring and the file since the tier opened, and the seconds
+    spent moving them: per direction, summed over the I/O threads' calls, and ``busy_seconds``,
+    the wall time while any transfer was in flight (reads and writes overlap, so it is less
+    than their sum). Bytes over ``busy_seconds`` is the bandwidth the tier got from the
+    disk, comparable with ``measure/disk.py``'s figures (``benchmarks/bench_disk_tier.py``)."""
 
     read_bytes: int = 0
     written_bytes: int = 0
+    read_seconds: float = 0.0
+    write_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    active: int = 0               #: transfers in flight now
+    busy_since: float = 0.0       #: when the first of them started
 
 
 class DiskTier:
@@ -382,6 +391,12 @@ class DiskTier:
             views["master"].copy_(values.reshape(-1))
         return torch.empty(values.numel(), dtype=torch.float32, device="meta")
 
+    def io_counters(self) -> dict[str, float]:
+        """A copy of the I/O counters (``_Counters``: bytes and seconds since the tier
+        opened), read between two steps or during one."""
+        with self._lock:
+            return {k: v for k, v in vars(self.counters).items() if k not in ("active", "busy_since")}
+
     # ------------------------------------------------------------------ buffers
     def _find(self, cid: int) -> Optional[_Buffer]:
         return next((b for b in self._ring if b.cid == cid), None)
@@ -448,18 +463,30 @@ class DiskTier:
 
     def _transfer(self, call, view: torch.Tensor, offset: int) -> None:
         data = _bytes(view)
-        done = 0
-        while done < len(data):
-            moved = call(self._fd, [data[done:]], offset + done)
-            if moved <= 0:
-                raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'} at byte "
-                              f"{offset + done} of {self.directory / DATA_NAME}")
-            done += moved
+        done, counters = 0, self.counters
         with self._lock:
-            if call is os.preadv:
-                self.counters.read_bytes += done
-            else:
-                self.counters.written_bytes += done
+            start = time.perf_counter()
+            counters.busy_since = start if counters.active == 0 else counters.busy_since
+            counters.active += 1
+        try:
+            while done < len(data):
+                moved = call(self._fd, [data[done:]], offset + done)
+                if moved <= 0:
+                    raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'} at byte "
+                                  f"{offset + done} of {self.directory / DATA_NAME}")
+                done += moved
+        finally:
+            with self._lock:
+                end = time.perf_counter()
+                counters.active -= 1
+                if counters.active == 0:
+                    counters.busy_seconds += end - counters.busy_since
+                if call is os.preadv:
+                    counters.read_bytes += done
+                    counters.read_seconds += end - start
+                else:
+                    counters.written_bytes += done
+                    counters.write_seconds += end - start
 
     # ------------------------------------------------------------------ the consumer's calls
     def _check_open(self) -> None:

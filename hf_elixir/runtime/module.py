@@ -451,11 +451,11 @@ class ElixirModule(nn.Module):
         names (``runtime/timing.py`` defines each): ``measured`` is the mean over the steps
         since the last reset (the first left out: it records the pass's trace), ``last`` the
         latest step's, ``predicted`` the plan's figures for one step of its batch
-        (``plan.predictions["time"]``), ``host_threads`` the threads the host update used.
-        ``reset=True`` starts a new window after reading this one.
-        ``timing.format_report`` prints it as a table."""
+        (``plan.predictions["time"]``), ``host_threads`` the threads the host update used, ``disk_io``
+        the disk tier's bytes and I/O seconds since it opened (``DiskTier.io_counters``; None without one).
+        ``reset=True`` starts a new window after reading this one; ``timing.format_report`` prints it."""
         report = summarize(self.clock.steps(), self.plan.predictions.get("time"))
-        report["host_threads"] = self.host_threads
+        report.update(host_threads=self.host_threads, disk_io=self.disk.io_counters() if self.disk else None)
         if reset:
             self.clock.reset()
         return report
