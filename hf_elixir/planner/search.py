@@ -40,6 +40,7 @@ from hf_elixir.planner.candidate import Candidate, chain, signature
 from hf_elixir.planner.efficiency import compute_figures, model_efficiency
 from hf_elixir.planner.record import ChunkPlan, ElixirPlan, PlanError, canonical_dtype
 from hf_elixir.planner.verdict import alternatives as _alternatives, infeasible as _infeasible
+from hf_elixir.profile.forked import forked_map
 from hf_elixir.profile.needs import rcache_minimum
 from hf_elixir.profile.params import chunked_parameters, model_signature
 from hf_elixir.profile.profiler import ModelProfile, model_checkpoints, profile_model
@@ -95,11 +96,12 @@ def _collector_paused(search: Callable[..., T]) -> Callable[..., T]:
 @_collector_paused
 def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size: int,
                          compute_dtype: str, optimizer: str,
-                         efficiency: float | None = None) -> tuple[list[Candidate], dict]:
+                         efficiency: float | None = None, workers: int = 1) -> tuple[list[Candidate], dict]:
     """Every candidate with its predicted memory and time (independent of the budget).
 
     ``efficiency``: this model's measured compute efficiency (``model_efficiency``); None
-    takes the calibrated one for the model's width. Returns the candidates and, per chunk
+    takes the calibrated one for the model's width. ``workers``: processes to search the
+    chunk sizes in (``profile.forked``; the command line's, never a training process's). Returns the candidates and, per chunk
     size, its packing (each chunk trainable or frozen: ``frozen_chunk_ids``).
     """
     sizes = {p.name: p.numel for p in profile.params}
@@ -114,11 +116,10 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
     modes = [False] + ([True] if profile.checkpointed is not None else [])
     # each event's compute is the same whatever the packing: priced once
     priced = {ckpt: [price(w) for w in profile.step(ckpt).trace.work] for ckpt in modes}
-    packings: dict[int, list[list[str]]] = {}
-    out: list[Candidate] = []
-    for S in packing.chunk_size_candidates(sizes.values(), world_size):
+
+    def one_packing(S: int) -> tuple[list[list[str]], list[Candidate]]:
+        out: list[Candidate] = []
         chunks = packing.pack(order, sizes, S, frozen_names)
-        packings[S] = chunks
         n = len(chunks)
         frozen = frozen_chunk_ids(chunks, frozen_names)
         trainable = [i for i in range(n) if i not in frozen]
@@ -167,7 +168,13 @@ def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size:
                             on_host = frozenset(trainable[nt - p:]) | frozen
                             sim_p, cpu_end_p = simulated(R, d, on_host)
                             out.append(_candidate(ctx, R, d, nt, p, nf, sim_p, cpu_end_p[nt]))
-    return out, packings
+        return chunks, out
+
+    # each chunk size is searched on its own: with workers, in forked processes side by side
+    tried = list(packing.chunk_size_candidates(sizes.values(), world_size))
+    made = forked_map(one_packing, tried, workers)
+    packings = {S: chunks for S, (chunks, _) in zip(tried, made)}
+    return [c for _, found in made for c in found], packings
 
 
 def frozen_chunk_ids(chunks: list[list[str]], frozen_names: frozenset[str] | set[str]) -> frozenset[int]:
@@ -309,6 +316,7 @@ def plan(
     nodes: int | None = None,
     host_memory: int | str | None = None,
     nvme: bool = False,
+    workers: int = 1,
 ) -> ElixirPlan:
     """Profile ``model`` on the meta device and return the fastest plan that fits.
 
@@ -341,6 +349,8 @@ def plan(
             calibrated efficiency for its width is used. ``"measure"`` always times it,
             ``"calibrated"`` never does, and a number is taken as the efficiency. The plan's
             ``predictions["compute_efficiency"]`` says which was used.
+        workers: processes to profile and search in (``profile.forked``): forked copies of
+            this one, so only for a process without threads of its own (the command line).
 
     Raises:
         PlanError: nothing fits; says the smallest per-device memory that would and the largest
@@ -368,15 +378,15 @@ def plan(
     # a model whose own checkpointing is on checkpoints whatever the plan says: price only that
     own_ckpt = isinstance(model, nn.Module) and model_checkpoints(model)
     if profile is None:
-        profile = profile_model(model, example_batch, dtype=compute_dtype,
-                                attention_target=hw.device_type, checkpointing=True if own_ckpt else None)
+        profile = profile_model(model, example_batch, dtype=compute_dtype, attention_target=hw.device_type,
+                                checkpointing=True if own_ckpt else None, workers=workers)
     t_prof = time.perf_counter() - t0
     if not profile.trainable:
         raise untrainable
     measured = model_efficiency(efficiency, model, profile, hw, W, compute_dtype)
     measured["used"] = compute_figures(profile, hw, W, measured["value"]).efficiency
 
-    cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer, measured["value"])
+    cands, packings = enumerate_candidates(profile, hw, W, compute_dtype, optimizer, measured["value"], workers)
     if own_ckpt and profile.checkpointed is not None:
         cands = [c for c in cands if c.checkpointing]
     all_cands = cands

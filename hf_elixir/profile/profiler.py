@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from hf_elixir.profile import fold as folding
+from hf_elixir.profile.forked import forked_map
 from hf_elixir.profile.params import chunk_numel, chunked_parameters, detect_fetch_units
 from hf_elixir.profile.quant import packed_weights, quant_state_bytes
 from hf_elixir.vocab import DTYPE_BYTES, canonical_dtype
@@ -279,6 +280,7 @@ def profile_model(
     model_name: str = "",
     build: Callable[[Any], nn.Module] | None = None,
     fold: bool = True,
+    workers: int = 1,
 ) -> ModelProfile:
     """Profile one training step of a model on the meta device.
 
@@ -296,6 +298,8 @@ def profile_model(
             shortened copies of the config when the profile is folded.
         fold: profile a deep model from a few of its layers (``profile.fold``) when its
             layers repeat exactly; False traces every layer.
+        workers: with 2 or more, a folded profile's two depths are traced side by side in a
+            forked process (``profile.forked``: only for a process with no threads of its own).
     """
     start = time.perf_counter()
     dtype = canonical_dtype(dtype)
@@ -310,7 +314,7 @@ def profile_model(
     def profile_of(meta: nn.Module) -> ModelProfile:
         return _profile_meta(set_training(meta, True), example_batch, dtype, attention_target, checkpointing)
 
-    profile = _folded(model_or_config, is_config, make, dtype, profile_of) if fold else None
+    profile = _folded(model_or_config, is_config, make, dtype, profile_of, workers) if fold else None
     if profile is None:
         meta = make(model_or_config) if is_config else set_training(build_meta_model(model_or_config, dtype))
         profile = profile_of(meta)
@@ -323,7 +327,7 @@ def profile_model(
 
 
 def _folded(source: Any, is_config: bool, make: Callable[[Any], nn.Module], dtype: str,
-            profile_of: Callable[[nn.Module], ModelProfile]) -> ModelProfile | None:
+            profile_of: Callable[[nn.Module], ModelProfile], workers: int = 1) -> ModelProfile | None:
     """The profile unfolded from a ``folding.TRACED``-layer model, checked against a traced
     model one layer deeper; None when the model is shallow or its layers do not repeat."""
     config = source if is_config else getattr(source, "config", None)
@@ -331,16 +335,14 @@ def _folded(source: Any, is_config: bool, make: Callable[[Any], nn.Module], dtyp
     if layers is None or layers < folding.MIN_LAYERS:
         return None
     try:
-        profiles, stacks, per_layer = [], [], []
-        for depth in (folding.TRACED, folding.TRACED + 1):
-            meta = (make(folding.truncated_config(source, depth)) if is_config
-                    else folding.truncated_meta_model(source, dtype, depth, layers))
-            stack = folding.find_stack(meta, depth)
-            stacks.append(stack)
-            per_layer.append(_held_whole_bytes(meta.get_submodule(f"{stack.path}.1")))
-            profiles.append(profile_of(meta))
+        depths = (folding.TRACED, folding.TRACED + 1)
+        models = [make(folding.truncated_config(source, depth)) if is_config
+                  else folding.truncated_meta_model(source, dtype, depth, layers) for depth in depths]
+        stacks = [folding.find_stack(meta, depth) for meta, depth in zip(models, depths)]
+        per_layer = [_held_whole_bytes(meta.get_submodule(f"{stack.path}.1")) for meta, stack in zip(models, stacks)]
         if stacks[0] != stacks[1] or per_layer[0] != per_layer[1]:
             raise folding.NoFold("the layers hold different buffers")
+        profiles = forked_map(profile_of, models, workers)
         stack = stacks[0]
         grown = folding.unfold_profile(profiles[0], stack, folding.TRACED, folding.TRACED + 1, per_layer[0])
         if not folding.same_profile(grown, profiles[1]):
