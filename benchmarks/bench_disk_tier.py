@@ -3,6 +3,7 @@
     python benchmarks/bench_disk_tier.py                      # a temp dir on this machine's disk
     python benchmarks/bench_disk_tier.py --path /mnt/nvme     # the directory to measure and use
     python benchmarks/bench_disk_tier.py --quick --out /tmp/q.json   # a tiny model, seconds
+    python benchmarks/bench_disk_tier.py --device cuda        # compute on the GPU (the GPU suite's section)
 
 One run does three things on the same directory:
 
@@ -22,6 +23,9 @@ One run does three things on the same directory:
 
    each in fresh processes of its own (``bench_step.launch``: the same allocator environment
    as every CPU benchmark), ``--warmup`` steps then ``--steps`` timed ones, medians;
+   ``--device`` picks the compute device, passed to ``ElixirModule`` as is (default: its own
+   default, the CPU on a machine without CUDA; ``cuda``: rank r on ``cuda:r``, steps timed
+   between ``torch.cuda.synchronize()`` calls);
 3. reads the disk tier's own I/O counters (``DiskTier.io_counters``: bytes read and written,
    seconds per direction, and the wall time while any transfer was in flight) over the timed
    steps, and relates one step's traffic to the measured bandwidth.
@@ -129,7 +133,10 @@ def run_system(rank: int, world: int, args) -> dict:
     torch.manual_seed(0)
     model = DeepLM(args.width, args.layers)
     plan = build_plan(model, system, world, args.layers_per_chunk * args.width ** 2)
-    emodel = hfe.ElixirModule(model, plan, nvme_path=args.path if system == "disk_half" else None)
+    device = None if args.device is None else (
+        torch.device("cuda", rank % torch.cuda.device_count()) if args.device == "cuda" else torch.device("cpu"))
+    emodel = hfe.ElixirModule(model, plan, device=device, nvme_path=args.path if system == "disk_half" else None)
+    sync = torch.cuda.synchronize if emodel.device.type == "cuda" else (lambda: None)
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True))
     data = batches(rank, args.warmup + args.steps, args.batch, args.seq_len)
     losses, times, before = [], [], None
@@ -141,16 +148,18 @@ def run_system(rank: int, world: int, args) -> dict:
                 before = emodel.disk.io_counters()
             emodel.time_report(reset=True)
             window = time.perf_counter()
+        sync()
         start = time.perf_counter()
         loss = emodel(input_ids=ids, labels=ids)["loss"]
         opt.backward(loss)
         opt.clip_grad_norm_(1.0)
         opt.step()
         opt.zero_grad()
+        sync()
         times.append(time.perf_counter() - start)
         losses.append(loss.item())
     emodel.host_updates.wait_all()
-    out: dict = {"step_s": times[args.warmup:], "losses": losses,
+    out: dict = {"step_s": times[args.warmup:], "losses": losses, "device": str(emodel.device),
                  "window_s": time.perf_counter() - window, "n_chunks": len(plan.chunks),
                  "disk_chunks": sum(c.optim_placement == "disk" for c in plan.chunks)}
     if emodel.disk is not None:
@@ -164,6 +173,8 @@ def run_system(rank: int, world: int, args) -> dict:
                                                  "background", "exposed_cpu", "overlap") if k in report}
     out["weights_sha256"] = digest(emodel.state_dict())
     out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if emodel.device.type == "cuda":
+        out["max_memory_allocated"] = torch.cuda.max_memory_allocated(emodel.device)
     emodel.close()
     return out
 
@@ -173,7 +184,9 @@ def worker(rank: int, world: int, port: int, args, queue, systems=None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, args.threads))
     apply_host_memory_setting(args)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # one rank needs no collectives (gloo then, CPU or CUDA); CUDA ranks together talk over NCCL
+    backend = "nccl" if args.device == "cuda" and world > 1 else "gloo"
+    dist.init_process_group(backend, rank=rank, world_size=world)
     res = run_system(rank, world, args)
     if rank == 0:
         queue.put({args.systems[0]: res})
@@ -215,8 +228,8 @@ def summarise(results: dict, disk: dict, args) -> dict:
         row = {"median_step_s": statistics.median(res["step_s"]), "step_s": res["step_s"],
                "final_loss": res["losses"][-1], "losses": res["losses"], "weights_sha256": res["weights_sha256"],
                "peak_rss_bytes": res["peak_rss_bytes"], "n_chunks": res["n_chunks"],
-               "disk_chunks": res["disk_chunks"], "breakdown_s": res["breakdown_s"]}
-        for key in ("disk_state_bytes", "ring_bytes", "direct_io", "plane_bytes", "io"):
+               "disk_chunks": res["disk_chunks"], "breakdown_s": res["breakdown_s"], "device": res["device"]}
+        for key in ("disk_state_bytes", "ring_bytes", "direct_io", "plane_bytes", "io", "max_memory_allocated"):
             if key in res:
                 row[key] = res[key]
         rows[system] = row
@@ -248,6 +261,12 @@ def main() -> None:
     p.add_argument("--path", help="the directory to measure and keep the disk tier in (default: a temp dir)")
     p.add_argument("--quick", action="store_true", help="a tiny model, a few steps: seconds (the test's mode)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--device", choices=("cuda", "cpu"), default=None,
+                   help="the compute device (default: ElixirModule's own, the CPU without CUDA)")
+    p.add_argument("--width", type=int, help="the layers' width (default: the full or --quick size)")
+    p.add_argument("--layers", type=int, help="how many layers")
+    p.add_argument("--layers-per-chunk", type=int, help="layers a chunk holds")
+    p.add_argument("--disk-total", type=int, help="bytes measure_disk writes and reads, each time")
     p.add_argument("--world-size", type=int, default=1)
     p.add_argument("--threads", type=int, help="torch threads per rank (default: the cores less one, shared by "
                                              "the ranks: a core is left to the host update and I/O threads)")
@@ -289,7 +308,8 @@ def main() -> None:
             "write_bytes_per_s": (disk_before.write_bytes_per_s + disk_after.write_bytes_per_s) / 2}
     rows = summarise(results, disk, args)
     config = {k: getattr(args, k) for k in ("width", "layers", "layers_per_chunk", "batch", "seq_len", "warmup",
-                                            "steps", "world_size", "threads", "keep_host_memory", "quick")}
+                                            "steps", "world_size", "threads", "keep_host_memory", "quick",
+                                            "device")}
     config.update(path=str(args.path), temp_dir=scratch is not None, disk_total_bytes=args.disk_total,
                   optimizer="torch AdamW(fused=True), lr 1e-4, clip 1.0",
                   parameters=sum(p.numel() for p in DeepLM(args.width, args.layers).parameters()))

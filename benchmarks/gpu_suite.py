@@ -22,7 +22,15 @@ so a stuck job cannot eat the time of the sections after it):
    of the peak those steps reached) for 3 more: whether the runtime recovers from the
    out-of-memory errors that follow (docs/recovery.md), what it changed, how long the
    recovering step took and the throughput after it. A dry run injects the error instead.
-6. fidelity: the plan's predicted peak memory and step time against the measured ones,
+6. disk_tier: ``benchmarks/bench_disk_tier.py`` on the device (issue 38): a 24-layer,
+   1024-wide model (25M parameters, 12 chunks) trained 2 + 4 steps with half of the
+   trainable chunks' optimizer state on the disk tier and, in fresh processes, all of it on
+   the host tier; the disk's measured read and write bandwidth (before and after), one
+   step's disk traffic against it, the step-time ratio disk/host and whether the weights and
+   losses are bit-identical. The tier's files go in a scratch directory beside the results
+   file (the disk the results go to, not a tmpfs ``/tmp``; ``--disk-path`` elsewhere),
+   removed at the end. About a minute; a dry run runs ``--quick`` on the CPU.
+7. fidelity: the plan's predicted peak memory and step time against the measured ones,
    for hf_elixir in sections 2 and 4.
 
 Results: ``benchmarks/results/gpu_suite.json`` (``--out`` elsewhere; a dry run writes to a
@@ -60,9 +68,14 @@ GPU_SETTINGS = {
     # per job: (the most seconds it may take, the least worth starting it with); the
     # deadline keeps the least of every later job in reserve
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
-                 "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45)},
+                 "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45),
+                 "disk_tier": (120, 45)},
     "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
                                                       "d_all_cpu", "e_checkpointing"],
+    # 24 layers of 1024 x 1024, 2 a chunk: 12 chunks, 6 of them (about 150 MB of fp32 master
+    # and Adam moments) on disk; a minute with both systems' process starts
+    "disk_tier": {"width": 1024, "layers": 24, "layers_per_chunk": 2, "warmup": 2, "steps": 4,
+                  "disk_total": 128 * 2**20},
 }
 TINY = dict(vocab_size=512, bos_token_id=0, eos_token_id=0)
 TINY_GPT2 = {"name": "gpt2-tiny", "family": "gpt2", "kwargs": dict(TINY, n_layer=2, n_embd=64, n_head=4, n_positions=64)}
@@ -74,8 +87,10 @@ DRY_SETTINGS = {
               {"name": "llama-tiny-128", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=128, intermediate_size=256)}],
     "scale_batch": 1, "scale_seq": 32,
     "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
-                 "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20)},
+                 "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20),
+                 "disk_tier": (120, 20)},
     "smoke_archs": ["gpt2"], "smoke_plans": ["a_all_device", "d_all_cpu"],
+    "disk_tier": {"quick": True},
 }
 
 
@@ -93,6 +108,7 @@ class Runner:
         else:  # every system alike: a capped allocator should not fail on fragmentation
             self.env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.count = 0
+        self.disk_path = workdir / "disk_tier"  # main() points it at the results' disk
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -153,7 +169,7 @@ def section_smoke(runner: Runner, s: dict) -> dict:
 
 def section_offload(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]
-    later = _least(s, "mfu", "mfu", "scale", "recovery")
+    later = _least(s, "mfu", "mfu", "scale", "recovery", "disk_tier")
     return {
         "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"], later + _least(s, "fsdp2", "deepspeed")),
         "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"],
@@ -168,8 +184,9 @@ def section_mfu(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]["mfu"]
     return {
         "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t,
-                                _least(s, "mfu", "scale", "recovery")),
-        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t, _least(s, "scale", "recovery")),
+                                _least(s, "mfu", "scale", "recovery", "disk_tier")),
+        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t,
+                            _least(s, "scale", "recovery", "disk_tier")),
     }
 
 
@@ -179,7 +196,7 @@ def section_scale(runner: Runner, s: dict) -> dict:
     for spec in s["scale"]:
         job = train_job(s, "hf_elixir", model=spec, batch=s["scale_batch"], seq=s["scale_seq"],
                         warmup=0, steps=1, model_dtype="bf16")
-        result = runner.run(job, s["timeouts"]["scale"], _least(s, "recovery"))
+        result = runner.run(job, s["timeouts"]["scale"], _least(s, "recovery", "disk_tier"))
         tried.append({"model": spec["name"], **result})
         if result.get("status") != "ok":
             break
@@ -189,7 +206,14 @@ def section_scale(runner: Runner, s: dict) -> dict:
 
 def section_recovery(runner: Runner, s: dict) -> dict:
     job = train_job(s, "hf_elixir", job="recovery", warmup=3, steps=3, squeeze=0.8)
-    return runner.run(job, s["timeouts"]["recovery"])
+    return runner.run(job, s["timeouts"]["recovery"], _least(s, "disk_tier"))
+
+
+def section_disk_tier(runner: Runner, s: dict) -> dict:
+    """Half of the trainable chunks' optimizer state on disk against the host tier, on the
+    device (bench_disk_tier.py); the tier's files under ``runner.disk_path``."""
+    job = {"job": "disk_tier", "device": s["device"], "path": str(runner.disk_path), **s["disk_tier"]}
+    return runner.run(job, s["timeouts"]["disk_tier"])
 
 
 def fidelity(results: dict) -> list[dict]:
@@ -253,6 +277,19 @@ def summary_lines(results: dict) -> list[str]:
         lines.append(f"{'recovery':12s} {'hf_elixir':18s} {r.get('status', ''):8s} "
                      f"{r.get('tokens_per_s_after') or 0:9.0f} {r.get('recovery_step_s') or 0:7.3f} "
                      f"{_gib(r.get('squeezed_to_bytes')):>8s}  {len(events)} failure(s); {changes[:50]}")
+    r = results.get("disk_tier", {})
+    if r:
+        if r.get("status") in ("ok", "failed"):
+            d = r["disk"]
+            lines.append(f"{'disk_tier':12s} {'hf_elixir':18s} {r['status']:8s} disk read {d['read_MBps']:.0f} MB/s, "
+                         f"write {d['write_MBps']:.0f} MB/s; step disk/host {r['step_ratio_disk_to_host']:.2f} "
+                         f"({r['median_step_s']['disk_half']:.3f} s / {r['median_step_s']['host']:.3f} s)")
+            lines.append(f"  {r['disk_chunks']} of {r['n_chunks']} chunks on disk: "
+                         f"{r['read_bytes_per_step'] / 1e6:.0f} MB read + {r['written_bytes_per_step'] / 1e6:.0f} MB "
+                         f"written a step at {r['io_efficiency'] or 0:.2f}x the measured bandwidth; weights "
+                         f"bit-identical {r['weights_match_host']}, losses {r['losses_match_host']}")
+        else:
+            lines.append(f"{'disk_tier':12s} {'hf_elixir':18s} {r.get('status', ''):8s} {r.get('error', '')[:60]}")
     for row in results.get("fidelity", []):
         lines.append(f"fidelity {row['section']:11s} peak measured/predicted {row['peak_ratio'] or 0:.2f}, "
                      f"step {row['step_ratio'] or 0:.2f}  ({row['peak_source']})")
@@ -298,6 +335,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--out", type=Path, default=None, help=f"results JSON (default {RESULTS.relative_to(ROOT)}; "
                    "a dry run: a temporary file)")
     p.add_argument("--budget", type=float, default=None, help="seconds the whole suite may take")
+    p.add_argument("--disk-path", type=Path, default=None,
+                   help="where the disk_tier section's scratch directory goes (default: beside --out)")
     args = p.parse_args(argv)
     settings = DRY_SETTINGS if args.dry_run else GPU_SETTINGS
     if not args.dry_run:
@@ -317,8 +356,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         results["wall_s"] = time.monotonic() - start
         out.write_text(json.dumps(results, indent=1, default=str))
 
-    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp:
+    disk_root = args.disk_path or out.parent
+    disk_root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp, \
+            tempfile.TemporaryDirectory(prefix=".gpu_suite_disk_tier_", dir=disk_root) as disk_tmp:
         runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run)
+        runner.disk_path = Path(disk_tmp)
         results["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = runner.env.get("PYTORCH_CUDA_ALLOC_CONF")
         results["smoke"] = section_smoke(runner, settings)
         for key in ("gpu", "gpu_memory_bytes"):
@@ -326,7 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         save()
         if results["smoke"]["status"] == "ok":
             for name, section in (("offload_24g", section_offload), ("mfu", section_mfu), ("scale", section_scale),
-                                  ("recovery", section_recovery)):
+                                  ("recovery", section_recovery), ("disk_tier", section_disk_tier)):
                 results[name] = section(runner, settings)
                 save()
         else:
@@ -335,13 +378,17 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["mfu"] = {k: skipped for k in ("hf_elixir", "fsdp2")}
             results["scale"] = {"largest": None, "tried": []}
             results["recovery"] = skipped
+            results["disk_tier"] = skipped
     results["fidelity"] = fidelity(results)
     save()
     print("\n".join(summary_lines(results)))
     print(f"wrote {out}")
     jobs = [r for sec in ("offload_24g", "mfu") for r in results[sec].values()] + results["scale"]["tried"]
     jobs.append(results["recovery"])
-    failed = results["smoke"]["status"] != "ok" or any(r.get("status") == "error" for r in jobs)
+    jobs.append(results["disk_tier"])
+    # the disk tier's results differing from the host tier's is a failure, as the smoke test's
+    failed = (results["smoke"]["status"] != "ok" or results["disk_tier"].get("status") == "failed"
+              or any(r.get("status") == "error" for r in jobs))
     return 1 if failed else 0
 
 

@@ -12,6 +12,11 @@ A job is a JSON object with a ``job`` key:
   CPUOffloadPolicy, DeepSpeed ZeRO-3 with optimizer and parameter offload) trains a model
   for warm-up + timed steps under an optional memory cap; tokens/s, peak allocated memory
   and, for hf_elixir, the plan's predictions are recorded.
+- ``disk_tier``: ``benchmarks/bench_disk_tier.py`` on the compute device (its ``disk_half``
+  and ``host`` systems, in ranks of their own, the tier's files under the job's ``path``):
+  the disk's measured bandwidth, one step's disk traffic against it, the step time with
+  half of the trainable chunks' optimizer state on disk over the host tier's, and whether
+  the two trained to the same weights and losses bit for bit.
 
 The result (always a JSON object with ``status``: ok, oom, infeasible (no plan fits), failed,
 error) is written to
@@ -370,6 +375,51 @@ def run_recovery(job: dict) -> dict:
     return out
 
 
+def run_disk_tier(job: dict) -> dict:
+    """bench_disk_tier.py in a subprocess (its ranks are spawned: a timeout of this job's
+    process group takes them too), sized by the job; the figures the suite keeps."""
+    import subprocess
+    import tempfile
+
+    path = Path(job["path"])
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="disk_tier_out_") as tmp:
+        out_json = Path(tmp) / "bench_disk_tier.json"
+        cmd = [sys.executable, str(HERE / "bench_disk_tier.py"), "--device", job["device"], "--path", str(path),
+               "--out", str(out_json), "--systems", "disk_half", "host"]
+        if job.get("quick"):
+            cmd.append("--quick")
+        for key in ("width", "layers", "layers_per_chunk", "warmup", "steps", "disk_total"):
+            if job.get(key) is not None:
+                cmd += [f"--{key.replace('_', '-')}", str(job[key])]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not out_json.exists():
+            return {"status": "error", "error": f"bench_disk_tier.py exited {proc.returncode}",
+                    "stderr": proc.stderr[-2000:], "stdout": proc.stdout[-1000:]}
+        data = json.loads(out_json.read_text())
+    rows, disk = data["systems"], data["disk"]
+    half, host = rows["disk_half"], rows["host"]
+    traffic = half["traffic"]
+    match = bool(half.get("weights_match_host")) and bool(half.get("losses_match_host"))
+    return {
+        "status": "ok" if match else "failed", "device": half.get("device"), "config": data["config"],
+        "disk": {"read_MBps": disk["read_bytes_per_s"] / 1e6, "write_MBps": disk["write_bytes_per_s"] / 1e6,
+                 "block_bytes": disk["before"]["block_bytes"], "direct": disk["before"]["direct"],
+                 "before": disk["before"], "after": disk["after"]},
+        "n_chunks": half["n_chunks"], "disk_chunks": half["disk_chunks"],
+        "disk_state_bytes": half.get("disk_state_bytes"),
+        "median_step_s": {"disk_half": half["median_step_s"], "host": host["median_step_s"]},
+        "step_times_s": {"disk_half": half["step_s"], "host": host["step_s"]},
+        "step_ratio_disk_to_host": half["step_ratio_to_host"],
+        "read_bytes_per_step": traffic["read_bytes_per_step"],
+        "written_bytes_per_step": traffic["written_bytes_per_step"],
+        "io_efficiency": traffic["io_efficiency"], "traffic": traffic,
+        "weights_match_host": half.get("weights_match_host"), "losses_match_host": half.get("losses_match_host"),
+        "max_memory_allocated": {k: r.get("max_memory_allocated") for k, r in (("disk_half", half), ("host", host))},
+        "files_left": data["files_left"],
+    }
+
+
 def run_smoke(job: dict) -> dict:
     """The equivalence recipe on the compute device: fp32 plans against plain PyTorch on
     the same device, bf16 against the fp32 reference's losses."""
@@ -424,7 +474,7 @@ def run_smoke(job: dict) -> dict:
 def main() -> None:
     job, result_path = json.loads(sys.argv[1]), Path(sys.argv[2])
     try:
-        runs = {"smoke": run_smoke, "recovery": run_recovery}
+        runs = {"smoke": run_smoke, "recovery": run_recovery, "disk_tier": run_disk_tier}
         result = runs.get(job["job"], run_train)(job)
     except torch.cuda.OutOfMemoryError as exc:
         result = {"status": "oom", "error": str(exc).split("\n")[0][:400]}

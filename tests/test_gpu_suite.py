@@ -61,6 +61,18 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert len(recovery["step_times_s"]) == 6 and recovery["tokens_per_s_after"] > 0
     assert "recovery" in proc.stdout
 
+    # issue 38: the disk tier against the host tier (bench_disk_tier.py --quick on the CPU)
+    disk = data["disk_tier"]
+    assert disk["status"] == "ok", f"{disk.get('error')}\n{disk.get('stderr', '')}\n{disk.get('traceback', '')}"
+    assert disk["device"] == "cpu" and disk["config"]["quick"] and disk["config"]["device"] == "cpu"
+    assert disk["disk"]["read_MBps"] > 0 and disk["disk"]["write_MBps"] > 0
+    assert disk["disk_chunks"] > 0 and disk["read_bytes_per_step"] > 0 and disk["written_bytes_per_step"] > 0
+    assert disk["step_ratio_disk_to_host"] > 0 and disk["io_efficiency"] > 0
+    assert disk["weights_match_host"] is True and disk["losses_match_host"] is True
+    assert disk["files_left"] == [] and 0 < disk["wall_s"]
+    assert "disk_tier" in proc.stdout and "step disk/host" in proc.stdout
+    assert not list(tmp_path.glob(".gpu_suite_disk_tier_*")), "the section's scratch directory must go"
+
     # each hf_elixir run's step breakdown, measured beside predicted, in the JSON and printed
     for name, r in (("offload_24g", data["offload_24g"]["hf_elixir"]), ("mfu", data["mfu"]["hf_elixir"])):
         report = r["time_report"]
