@@ -15,7 +15,8 @@ One run does three things on the same directory:
    trainable chunks' optimizer side lives:
 
    - ``disk_half``: half of the trainable chunks (every other one, by size) on ``"disk"``
-     (fp32 master and Adam's moments in a file under the directory), the rest on ``"cpu"``;
+     (fp32 master, Adam's moments and the fp32 gradient in a file under the directory), the
+     rest on ``"cpu"``;
    - ``host``: every trainable chunk on ``"cpu"`` (the host tier, updated on the host
      update thread): the baseline, and the tier the disk tier must equal bit for bit;
    - ``device``: every chunk's state with its parameters (on a CPU device the update runs

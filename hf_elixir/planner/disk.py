@@ -2,17 +2,21 @@
 
 Host memory is a budget like device memory (``HardwareProfile.cpu_memory``, all the node's
 ranks together). A candidate whose offloaded state does not fit it may still run if the
-optimizer side of some of its offloaded chunks (fp32 master and optimizer state; their
-gradient shards and compute-dtype shards stay in host memory, as the runtime keeps them)
-lives on disk (``optim_placement="disk"``, ``runtime/disk_tier.py``). The search asks for
+optimizer side of some of its offloaded chunks (fp32 master, optimizer state and fp32
+gradient shard; their compute-dtype shards stay in host memory, as the runtime keeps them)
+lives on disk (``optim_placement="disk"``, ``runtime/disk_tier.py``, ``disk_grads.py``). The search asks for
 it only when a disk tier was named (``hfe.plan(..., nvme=True)``), and puts on disk only as
 many chunks as host memory cannot hold, the trailing ones first (the offload levers' order).
 
-Price: each disk chunk's update reads its planes from disk and writes them back. The
-runtime overlaps both with the host updates (read-ahead and write-behind through a ring of
-``RING`` buffers), so the step pays only ``max(0, disk time - host update time)``; the disk
-is shared by the node's ranks, so its time is the node's bytes over its bandwidth. Reads
-and writes share the disk, so their times add.
+Price: backward writes each disk chunk's gradient to its file, and the update reads the
+chunk's planes (gradient included) and writes back all but the gradient: as many bytes
+written as read, each step. The runtime overlaps the update's I/O with the host updates
+(read-ahead and write-behind through a ring of ``RING`` buffers), so the step pays only
+``max(0, disk time - host update time)``. The gradients' writes overlap backward's compute
+in fact, but are priced with the rest (an upper bound). The disk is shared by the node's
+ranks, so its time is the node's bytes over its bandwidth; reads and writes share the disk,
+so their times add. One step is one micro-batch: with gradient accumulation every further
+micro-batch also reads the gradients back before adding into them.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import replace
 
 from hf_elixir.hardware import HardwareProfile
 from hf_elixir.planner.candidate import Candidate
+from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
 from hf_elixir.planner.memory_model import OPTIMIZER_STATE_BYTES
 from hf_elixir.planner.record import PlanError
 from hf_elixir.vocab import format_bytes
@@ -28,11 +33,14 @@ from hf_elixir.vocab import format_bytes
 #: host buffers of the runtime's ring (``runtime/disk_tier.DiskTier``'s default), each as
 #: large as the largest chunk's planes
 RING = 3
+#: gradient-plane buffers (``runtime/disk_grads.DiskGrads``): one per reduction in flight
+GRAD_RING = REDUCTIONS_IN_FLIGHT + 2
 
 
 def bytes_per_element(optimizer: str) -> int:
-    """Disk bytes per element of a disk chunk's shard: its fp32 master and optimizer state."""
-    return 4 + OPTIMIZER_STATE_BYTES[optimizer]
+    """Disk bytes per element of a disk chunk's shard: its fp32 master, optimizer state
+    and fp32 gradient."""
+    return 4 + OPTIMIZER_STATE_BYTES[optimizer] + 4
 
 
 def disk_bytes(c: Candidate, W: int, optimizer: str) -> int:
@@ -42,12 +50,14 @@ def disk_bytes(c: Candidate, W: int, optimizer: str) -> int:
 
 
 def ring_bytes(c: Candidate, W: int, optimizer: str) -> int:
-    """Host memory the ring takes on a rank with disk chunks."""
-    return RING * (c.chunk_size // W) * bytes_per_element(optimizer) if c.n_optim_disk else 0
+    """Host memory the rings take on a rank with disk chunks."""
+    shard = c.chunk_size // W
+    return (RING * bytes_per_element(optimizer) + GRAD_RING * 4) * shard if c.n_optim_disk else 0
 
 
 def disk_seconds(rank_bytes: float, ranks_per_node: int, hw: HardwareProfile) -> float:
-    """One step's disk I/O: every rank's disk chunks read and written back, on one disk."""
+    """One step's disk I/O: every rank's disk chunks read, and written (the gradient by
+    backward, the rest after the update), on one disk."""
     node = rank_bytes * max(1, ranks_per_node)
     return node / hw.disk_read_bandwidth + node / hw.disk_write_bandwidth
 
@@ -113,7 +123,8 @@ def predictions(c: Candidate, W: int, optimizer: str, hw: HardwareProfile) -> di
         "bytes_per_rank": rank,
         "bytes_per_node": rank * ranks,
         "ring_bytes_per_rank": ring_bytes(c, W, optimizer),
-        # every disk chunk's planes read before its update and written back after it
+        # every disk chunk's planes read before its update; its gradient written by backward,
+        # the others written back after the update
         "read_bytes_per_step": rank,
         "write_bytes_per_step": rank,
         "read_bandwidth": hw.disk_read_bandwidth,

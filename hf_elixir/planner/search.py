@@ -399,7 +399,7 @@ def plan(
         if not any(c.peak <= budget for c in cands):
             blocked = [c for c in all_cands if c.peak <= budget]
             if blocked:  # device memory would do; the host cannot hold what must be offloaded
-                if nvme:  # even with every offloaded optimizer on disk (gradient shards stay)
+                if nvme:  # even with every offloaded optimizer on disk
                     blocked = [disk.priced(c, c.n_optim_cpu, W, optimizer, hw) for c in blocked]
                 need = min(host(c) for c in blocked)
                 raise PlanError(
@@ -572,7 +572,8 @@ def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
     shard per offloaded trainable or frozen chunk."""
     shard = c.chunk_size // W
     per = 4 + cost.OPTIMIZER_STATE_BYTES[optimizer] + 4
-    # disk chunks keep only their gradient shard here, and the ring holds a few of them
+    # disk chunks keep none of it here (their gradient shards are on disk too), and the
+    # rings hold a few of them
     on_disk = disk.disk_bytes(c, W, optimizer) - disk.ring_bytes(c, W, optimizer)
     return (c.n_optim_cpu * shard * per - on_disk
             + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype])

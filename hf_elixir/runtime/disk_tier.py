@@ -1,12 +1,13 @@
-"""The disk tier: trainable chunks' fp32 master and optimizer state in files on a fast disk.
+"""The disk tier: trainable chunks' fp32 master, optimizer state and gradient in files.
 
 A plan may put a trainable chunk's optimizer side on ``"disk"`` when neither the device nor
-the host can hold it. Such a chunk keeps, in host memory, only what every step needs at
-once (its compute-dtype shard, which forward gathers, and its fp32 gradient shard, which
-backward fills); its fp32 master shard and its optimizer state (the "planes" of its region)
-live in one file per rank under the directory the user names (``nvme_path``, else
-``ELIXIR_NVME_PATH``). In fp32 with the shard in host memory, the master *is* that shard
-(as on the host tier), so the file holds only the optimizer state.
+the host can hold it. Such a chunk keeps, in host memory, only what every pass needs (its
+compute-dtype shard, which forward gathers); its fp32 master shard, its optimizer state and
+its fp32 gradient shard (the "planes" of its region) live in one file per rank under the
+directory the user names (``nvme_path``, else ``ELIXIR_NVME_PATH``). In fp32 with the shard
+in host memory, the master *is* that shard (as on the host tier), so the file holds no
+master. The gradient plane is written by backward and read by the update
+(``disk_grads.py``); the file's reads, writes and threads are ``disk_io.py``'s.
 
 The host update thread (``host_update.py``) works through the disk chunks in the order the
 next forward needs them. A small ring of host buffers (``ring``, 3 by default) lets three
@@ -27,9 +28,9 @@ The scratch files are the run's own, never a checkpoint:
 - the files are removed when the module is closed, at a normal exit, or when the tier is
   garbage collected (not in a forked child, which shares the parent's files).
 
-One consumer at a time: the host update thread during its step, the main thread otherwise
-(every reader of the whole state waits for that thread first). The I/O threads touch only
-buffers handed to them.
+One consumer of the optimizer ring at a time: the host update thread during its step, the
+main thread otherwise (every reader of the whole state waits for that thread first); the
+gradient ring is backward's. The I/O threads touch only buffers handed to them.
 """
 
 from __future__ import annotations
@@ -40,29 +41,26 @@ import errno
 import fcntl
 import json
 import os
-import queue
 import shutil
 import socket
 import tempfile
-import threading
 import time
 import uuid
 import warnings
 import weakref
-from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 import torch
 
-from hf_elixir.planner.record import ElixirPlan, PlanError, chunk_layout
+from hf_elixir.planner.record import ElixirPlan, chunk_layout
 from hf_elixir.profile.params import chunk_numel
+from hf_elixir.runtime.disk_grads import GRAD, DiskGrads
+from hf_elixir.runtime.disk_io import ALIGN, DiskFile, RingBuffer, aligned, pad
 from hf_elixir.vocab import HfElixirError, format_bytes
 
 ENV = "ELIXIR_NVME_PATH"
-#: O_DIRECT's alignment of buffers, offsets and sizes (a page covers every device's block)
-ALIGN = 4096
 #: the most optimizer-state planes a supported optimizer keeps (Adam's two moments)
 MAX_STATE_PLANES = 2
 DIR_PREFIX = "hf_elixir-rank"
@@ -75,14 +73,11 @@ class DiskTierError(HfElixirError, ValueError):
     directory in use by another run, or a tier that was closed."""
 
 
-def _pad(nbytes: int) -> int:
-    return -(-nbytes // ALIGN) * ALIGN
-
-
 @dataclass(frozen=True)
 class DiskChunk:
     """Where one chunk's planes lie in the rank's file: ``planes`` names them in order
-    ("master" first unless the master is the in-memory shard, then "state0", "state1")."""
+    ("master" first unless the master is the in-memory shard, then "state0", "state1",
+    and last "grad", the gradient shard: ``disk_grads.py``)."""
 
     cid: int
     numel: int                 #: elements of the rank's shard
@@ -91,11 +86,16 @@ class DiskChunk:
 
     @property
     def plane_bytes(self) -> int:
-        return _pad(self.numel * 4)
+        return pad(self.numel * 4)
 
     @property
     def region_bytes(self) -> int:
         return self.plane_bytes * len(self.planes)
+
+    @property
+    def update_bytes(self) -> int:
+        """The planes an update writes back: all but the gradient (the last)."""
+        return self.plane_bytes * (len(self.planes) - (self.planes[-1] == GRAD))
 
 
 @dataclass
@@ -141,7 +141,7 @@ def prepare(plan: ElixirPlan, model: torch.nn.Module, world_size: int, device: t
         size, _ = chunk_layout([chunk_numel(named[n], itemsize) for n in cplan.params], itemsize, world_size)
         # as the runtime builds it: in fp32, a master on the host is the host shard itself
         aliased = plan.dtype == torch.float32 and (device.type == "cpu" or cplan.param_placement == "cpu")
-        planes = ("master",) * (not aliased) + tuple(f"state{i}" for i in range(MAX_STATE_PLANES))
+        planes = ("master",) * (not aliased) + tuple(f"state{i}" for i in range(MAX_STATE_PLANES)) + (GRAD,)
         chunks.append(DiskChunk(cid, size // world_size, offset, planes))
         offset += chunks[-1].region_bytes
     out = DiskPlan(Path(path), chunks)
@@ -228,81 +228,10 @@ def _remove(directory: Path, fds: list[int], owner_pid: int) -> None:
 
 
 # ---------------------------------------------------------------------- the tier
-class _IOThreads:
-    """Daemon threads that run the reads and writes handed to them, in order of submission.
-
-    Not ``ThreadPoolExecutor``: at interpreter exit it stops taking work before the host
-    update thread (which submits write-backs) is joined. Daemon threads never hold up an
-    exit, and the tier's own exit handler waits for every transfer before the files go."""
-
-    def __init__(self, count: int) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._threads = [threading.Thread(target=self._work, name="hf_elixir_disk_io", daemon=True)
-                         for _ in range(count)]
-        for thread in self._threads:
-            thread.start()
-
-    def submit(self, fn, *args) -> Future:
-        future: Future = Future()
-        self._queue.put((future, fn, args))
-        return future
-
-    def _work(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn, args = item
-            try:
-                future.set_result(fn(*args))
-            except BaseException as exc:  # re-raised where the consumer waits for it
-                future.set_exception(exc)
-
-    def shutdown(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-
-
 def _close_at_exit(ref: "weakref.ReferenceType[DiskTier]", pid: int) -> None:
     tier = ref()
     if tier is not None and os.getpid() == pid:  # a forked child's copies never finish I/O
         tier.close()
-
-
-@dataclass(eq=False)
-class _Buffer:
-    """One buffer of the ring: a chunk's planes, aligned, and the I/O in flight on it."""
-
-    data: torch.Tensor                 #: fp32, ALIGN-aligned, room for the largest region
-    cid: Optional[int] = None          #: whose planes it holds (or is reading, writing)
-    future: Optional[Future] = None    #: the read or write in flight
-    writing: bool = False              #: ``future`` writes the buffer back
-    held: bool = False                 #: handed out by ``acquire`` and not yet released
-    used: int = 0                      #: when last handed out (least recently used goes first)
-
-
-def _aligned(nbytes: int) -> torch.Tensor:
-    raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8)
-    skip = -raw.data_ptr() % ALIGN
-    return raw[skip : skip + nbytes].view(torch.float32)
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-@dataclass
-class _Counters:
-    """Bytes moved between the ring and the file since the tier opened, and the seconds
-    spent moving them: per direction, summed over the I/O threads' calls, and ``busy_seconds``,
-    the wall time while any transfer was in flight (reads and writes overlap, so it is less
-    than their sum). Bytes over ``busy_seconds`` is the bandwidth the tier got from the
-    disk, comparable with ``measure/disk.py``'s figures (``benchmarks/bench_disk_tier.py``)."""
-
-    read_bytes: int = 0
-    written_bytes: int = 0
-    read_seconds: float = 0.0
-    write_seconds: float = 0.0
-    busy_seconds: float = 0.0
-    active: int = 0               #: transfers in flight now
-    busy_since: float = 0.0       #: when the first of them started
 
 
 class DiskTier:
@@ -318,21 +247,27 @@ class DiskTier:
         # update thread is done with it and its transfers are over (``_close_at_exit``)
         self._finalizer = weakref.finalize(self, _remove, self.directory, self._fds, os.getpid())
         try:
-            self._fd = self._open(self.directory / DATA_NAME, sum(c.region_bytes for c in chunks))
+            fd = self._open(self.directory / DATA_NAME, sum(c.region_bytes for c in chunks))
         except BaseException:
             self._finalizer()
             raise
-        self._fds.append(self._fd)
+        self._fds.append(fd)
+        self.file = DiskFile(fd, self.directory / DATA_NAME, self.direct)
         atexit.register(_close_at_exit, weakref.ref(self), os.getpid())
         largest = max((c.region_bytes for c in chunks), default=ALIGN)
-        self._ring = [_Buffer(_aligned(largest)) for _ in range(ring)]
-        self._io = _IOThreads(2)
+        self._ring = [RingBuffer(aligned(largest)) for _ in range(ring)]
+        #: the chunks' gradient shards, in the last plane of each region
+        self.grads = DiskGrads(self.file, self.chunks)
         #: (chunk, plane) this run has written: only those are ever read from the file
+        #: (the gradient plane is the gradients' own: ``DiskGrads.stored``)
         self._written: set[tuple[int, str]] = set()
         self.state_names: tuple[str, ...] = ()
         self._clock = 0
-        self.counters = _Counters()
-        self._lock = threading.Lock()
+
+    @property
+    def counters(self):
+        """The file's I/O counters (``disk_io.Counters``), both consumers' transfers."""
+        return self.file.counters
 
     def _open(self, path: Path, total: int) -> int:
         """The state file, new and ``total`` bytes long, its space reserved now: running out
@@ -364,14 +299,14 @@ class DiskTier:
 
     @property
     def state_bytes(self) -> int:
-        """Bytes of state the files hold for this rank (masters and optimizer state, without
-        the alignment padding): what the disk tier keeps out of host memory."""
-        per = {c.cid: ("master" in c.planes) + len(self.state_names) for c in self.chunks.values()}
+        """Bytes of state the files hold for this rank (masters, optimizer state and gradient
+        shards, without the alignment padding): what the disk tier keeps out of host memory."""
+        per = {c.cid: ("master" in c.planes) + len(self.state_names) + 1 for c in self.chunks.values()}
         return sum(c.numel * 4 * per[c.cid] for c in self.chunks.values())
 
     @property
     def ring_bytes(self) -> int:
-        return sum(b.data.numel() * 4 for b in self._ring)
+        return sum(b.data.numel() * 4 for b in self._ring) + self.grads.ring_bytes
 
     def set_state_names(self, names: Sequence[str]) -> None:
         """The optimizer's state, in plane order; every state plane starts as zeros (a new
@@ -392,33 +327,25 @@ class DiskTier:
         return torch.empty(values.numel(), dtype=torch.float32, device="meta")
 
     def io_counters(self) -> dict[str, float]:
-        """A copy of the I/O counters (``_Counters``: bytes and seconds since the tier
-        opened), read between two steps or during one."""
-        with self._lock:
-            return {k: v for k, v in vars(self.counters).items() if k not in ("active", "busy_since")}
+        """A copy of the I/O counters (``disk_io.Counters``: bytes and seconds since the
+        tier opened), read between two steps or during one."""
+        return self.file.counted()
 
     # ------------------------------------------------------------------ buffers
-    def _find(self, cid: int) -> Optional[_Buffer]:
+    def _find(self, cid: int) -> Optional[RingBuffer]:
         return next((b for b in self._ring if b.cid == cid), None)
-
-    @staticmethod
-    def _settle(buf: _Buffer) -> None:
-        """Wait for the I/O in flight on ``buf``; re-raise its error here."""
-        future, buf.future, buf.writing = buf.future, None, False
-        if future is not None:
-            future.result()
 
     def _settle_all(self) -> None:
         for buf in self._ring:
-            self._settle(buf)
+            buf.settle()
+        self.grads.settle()
 
-    def _free_buffer(self, block: bool) -> Optional[_Buffer]:
+    def _free_buffer(self, block: bool) -> Optional[RingBuffer]:
         """A buffer to read into: an empty one, else the least recently used one not held,
         preferring those whose I/O is over, then those writing back, then a read-ahead.
         Without ``block``, only one that is free now (a read-ahead never waits)."""
-        def rank(b: _Buffer) -> tuple:
-            busy = b.future is not None and not b.future.done()
-            return (b.cid is not None, busy and not b.writing, busy, b.used)
+        def rank(b: RingBuffer) -> tuple:
+            return (b.cid is not None, b.busy and not b.writing, b.busy, b.used)
 
         idle = sorted((b for b in self._ring if not b.held), key=rank)
         if not block:
@@ -428,65 +355,54 @@ class DiskTier:
                 raise RuntimeError("hf_elixir disk tier: every ring buffer is held")
             return None
         buf = idle[0]
-        self._settle(buf)  # its write-back reaches the file before the buffer is reused
+        buf.settle()  # its write-back reaches the file before the buffer is reused
         buf.cid = None
         return buf
 
-    def _start_read(self, buf: _Buffer, cid: int) -> None:
+    def _start_read(self, buf: RingBuffer, cid: int) -> None:
         buf.cid = cid
-        buf.future = self._io.submit(self._read, buf, cid)
+        buf.version = self.grads.version(cid)  # the gradient the read sees
+        buf.future = self.file.submit(self._read, buf, cid)
 
-    def _views(self, buf: _Buffer, cid: int) -> dict[str, torch.Tensor]:
+    def _views(self, buf: RingBuffer, cid: int) -> dict[str, torch.Tensor]:
         chunk = self.chunks[cid]
         per = chunk.plane_bytes // 4
         names = dict(zip((f"state{i}" for i in range(MAX_STATE_PLANES)), self.state_names))
         out = {}
         for i, plane in enumerate(chunk.planes):
-            if plane == "master" or plane in names:
+            if plane in ("master", GRAD) or plane in names:
                 out[names.get(plane, plane)] = buf.data[i * per : i * per + chunk.numel]
         return out
 
     # ------------------------------------------------------------------ I/O (on the I/O threads)
-    def _read(self, buf: _Buffer, cid: int) -> None:
+    def _read(self, buf: RingBuffer, cid: int) -> None:
         chunk = self.chunks[cid]
         per = chunk.plane_bytes // 4
         for i, plane in enumerate(chunk.planes):
             view = buf.data[i * per : (i + 1) * per]
-            if (cid, plane) in self._written:
-                self._transfer(os.preadv, view, chunk.offset + i * chunk.plane_bytes)
+            if (self.grads.stored(cid) if plane == GRAD else (cid, plane) in self._written):
+                self.file.read(view, chunk.offset + i * chunk.plane_bytes)
             else:  # never written in this run: fresh (zero) state, not whatever the file holds
                 view.zero_()
 
-    def _write(self, buf: _Buffer, cid: int) -> None:
+    def _write(self, buf: RingBuffer, cid: int) -> None:
         chunk = self.chunks[cid]
-        self._transfer(os.pwritev, buf.data[: chunk.region_bytes // 4], chunk.offset)
+        self.file.write(buf.data[: chunk.update_bytes // 4], chunk.offset)
 
-    def _transfer(self, call, view: torch.Tensor, offset: int) -> None:
-        data = _bytes(view)
-        done, counters = 0, self.counters
-        with self._lock:
-            start = time.perf_counter()
-            counters.busy_since = start if counters.active == 0 else counters.busy_since
-            counters.active += 1
-        try:
-            while done < len(data):
-                moved = call(self._fd, [data[done:]], offset + done)
-                if moved <= 0:
-                    raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'} at byte "
-                                  f"{offset + done} of {self.directory / DATA_NAME}")
-                done += moved
-        finally:
-            with self._lock:
-                end = time.perf_counter()
-                counters.active -= 1
-                if counters.active == 0:
-                    counters.busy_seconds += end - counters.busy_since
-                if call is os.preadv:
-                    counters.read_bytes += done
-                    counters.read_seconds += end - start
-                else:
-                    counters.written_bytes += done
-                    counters.write_seconds += end - start
+    def _fresh_grad(self, buf: RingBuffer, cid: int) -> None:
+        """The buffer's gradient plane as an in-memory shard would hold it now: read again
+        if it was read before the gradient changed (or already used), then scaled."""
+        chunk = self.chunks[cid]
+        version = self.grads.version(cid)
+        if buf.version != version:
+            start = chunk.planes.index(GRAD) * chunk.plane_bytes // 4
+            view = buf.data[start : start + chunk.plane_bytes // 4]
+            if self.grads.stored(cid):
+                self.file.read(view, self.grads.offset(cid))
+            else:
+                view.zero_()
+        self.grads.apply_scales(cid, self._views(buf, cid)[GRAD])
+        buf.version = -1  # scaled: read again before the next use
 
     # ------------------------------------------------------------------ the consumer's calls
     def _check_open(self) -> None:
@@ -512,7 +428,8 @@ class DiskTier:
         if buf is None:
             self._start_read(self._free_buffer(block=True), cid)
             buf = self._find(cid)
-        self._settle(buf)  # its read, or the write-back of the values it still holds
+        buf.settle()  # its read, or the write-back of the values it still holds
+        self._fresh_grad(buf, cid)
         self._clock += 1
         buf.held, buf.used = True, self._clock
         return self._views(buf, cid)
@@ -525,8 +442,8 @@ class DiskTier:
             raise RuntimeError(f"hf_elixir disk tier: chunk {cid} released without being acquired")
         buf.held = False
         if write:
-            self._written.update((cid, plane) for plane in self.chunks[cid].planes)
-            buf.future, buf.writing = self._io.submit(self._write, buf, cid), True
+            self._written.update((cid, plane) for plane in self.chunks[cid].planes if plane != GRAD)
+            buf.future, buf.writing = self.file.submit(self._write, buf, cid), True
 
     @contextlib.contextmanager
     def opened(self, cid: int, write: bool = False) -> Iterator[dict[str, torch.Tensor]]:
@@ -551,7 +468,7 @@ class DiskTier:
         try:
             self._settle_all()
         finally:
-            self._io.shutdown()
+            self.file.io.shutdown()
             self._finalizer()
 
 
@@ -569,11 +486,20 @@ def open_chunk(tier: Optional[DiskTier], chunk, state: Optional[dict[str, torch.
         yield views.get("master", chunk.master), {name: views[name] for name in state}
 
 
+def clear_grad(tier: Optional[DiskTier], chunk) -> None:
+    """Zero one chunk's gradient shard, wherever it lives (``zero_grad``)."""
+    if tier is not None and tier.holds(chunk.index):
+        tier.grads.forget(chunk.index)
+    else:
+        chunk.grad_shard.zero_()
+
+
 def batch_views(batch: dict[str, list], master: torch.Tensor, views: dict[str, torch.Tensor]) -> dict[str, list]:
-    """An optimizer batch of a disk-tier chunk (its ``ranges`` in the shard) with master and
-    state views taken from the planes as read into the ring; ``master``: the chunk's own,
-    used when the file holds none (it is the in-memory shard)."""
+    """An optimizer batch of a disk-tier chunk (its ``ranges`` in the shard) with master,
+    gradient and state views taken from the planes as read into the ring; ``master``: the
+    chunk's own, used when the file holds none (it is the in-memory shard)."""
     master = views.get("master", master)
-    out = dict(batch, params=[master[lo:hi] for lo, hi in batch["ranges"]])
-    out.update({name: [t[lo:hi] for lo, hi in batch["ranges"]] for name, t in views.items() if name != "master"})
+    ranges = batch["ranges"]
+    out = dict(batch, params=[master[lo:hi] for lo, hi in ranges], grads=[views[GRAD][lo:hi] for lo, hi in ranges])
+    out.update({name: [t[lo:hi] for lo, hi in ranges] for name, t in views.items() if name not in ("master", GRAD)})
     return out

@@ -25,7 +25,7 @@ from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.devices import move_to_device, pinned_pool, resolve_device
-from hf_elixir.runtime.disk_tier import DiskTier, open_chunk, prepare as prepare_disk
+from hf_elixir.runtime.disk_tier import DiskTier, clear_grad, open_chunk, prepare as prepare_disk
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager, in_backward
 from hf_elixir.runtime.host_update import HostUpdates
@@ -138,7 +138,7 @@ class ElixirModule(nn.Module):
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder,
                                clock=self.clock, host_updates=self.host_updates)
         self.reducer = GradReducer(self.chunks, self.comm, self.ledger, len(self.slots), clock=self.clock,
-                                   host_updates=self.host_updates)
+                                   host_updates=self.host_updates, disk=self.disk)
         self.hooks = HookManager(
             root=model,
             units=self._fetch_units(),
@@ -245,6 +245,7 @@ class ElixirModule(nn.Module):
             local = flat[rank * shard_size : (rank + 1) * shard_size]
             param_dev = self._placement(cplan.param_placement)
             optim_dev = self._placement(cplan.optim_placement)
+            on_disk = self.disk is not None and self.disk.holds(cid)
             if cid in host_shards:
                 shard = host_shards[cid]
                 shard.copy_(local)
@@ -252,7 +253,7 @@ class ElixirModule(nn.Module):
                 shard = local.to(param_dev, dtype=self.dtype, copy=True)
             if cplan.frozen or (self.dtype == torch.float32 and param_dev == optim_dev):
                 master = shard  # a frozen chunk has no master: it never changes
-            elif self.disk is not None and self.disk.holds(cid):
+            elif on_disk:
                 master = self.disk.put_master(cid, local.to("cpu", torch.float32))
             else:
                 master = local.to(optim_dev, dtype=torch.float32, copy=True)
@@ -262,10 +263,10 @@ class ElixirModule(nn.Module):
                 index=cid, size=size, dtype=self.dtype, device=self.device,
                 param_device=param_dev, optim_device=optim_dev, comm=self.comm, slots=chunk_slots,
                 shard=shard, master=master,
-                grad_shard=torch.zeros(grad_size, dtype=torch.float32, device=optim_dev),
+                grad_shard=torch.zeros(grad_size, dtype=torch.float32, device="meta" if on_disk else optim_dev),
                 full=shard if in_place else torch.empty(size, dtype=self.dtype, device=self.device),
                 copy_stream=self.copy_stream, staging=None if cplan.frozen else staging.get(cid),
-                frozen=cplan.frozen, disk=self.disk is not None and self.disk.holds(cid),
+                frozen=cplan.frozen, disk=on_disk,
             )
             if not in_place:
                 chunk.full.untyped_storage().resize_(0)
@@ -348,7 +349,7 @@ class ElixirModule(nn.Module):
         for chunk in self.chunks:
             # a chunk still updating on the host thread clears its own, right after
             if not self.host_updates.zero_after(chunk.index):
-                chunk.grad_shard.zero_()
+                clear_grad(self.disk, chunk)
         self.reducer.clear_seen()
         self.clock.host_phase("zero_grad", start)
 

@@ -9,7 +9,6 @@ drive this one unchanged.
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from typing import Any, Callable, Optional
 
@@ -20,7 +19,8 @@ from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
 
 from hf_elixir.runtime.chunk import Chunk, Slot
-from hf_elixir.runtime.disk_tier import batch_views, open_chunk
+from hf_elixir.runtime import grad_shards
+from hf_elixir.runtime.disk_tier import batch_views, clear_grad, open_chunk
 from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
 from hf_elixir.runtime.recovery import MicroBatch, model_loss
@@ -170,26 +170,12 @@ class ElixirOptimizer(Optimizer):
     def _unscale(self) -> None:
         if self.scaler is None or self._grads_unscaled:
             return
-        inv = 1.0 / self.scaler.scale
-        for chunk in self.module.chunks:
-            chunk.grad_shard.mul_(inv)
+        grad_shards.scale(self.module.chunks, self.module.disk, 1.0 / self.scaler.scale)
         self._grads_unscaled = True
 
-    def _by_device(self) -> dict[torch.device, list[torch.Tensor]]:
-        """The non-empty gradient shards, grouped by the device they live on."""
-        out: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
-        for chunk in self.module.chunks:
-            if chunk.grad_shard.numel():
-                out[chunk.grad_shard.device].append(chunk.grad_shard)
-        return out
-
     def _found_inf(self) -> bool:
-        """Whether any rank has an inf/NaN gradient: one host sync per device, one all-reduce."""
-        flag = torch.zeros(1, dtype=torch.float32)
-        for grads in self._by_device().values():
-            bad = torch.stack([torch.isfinite(g).all() for g in grads]).logical_not().any()
-            flag = torch.maximum(flag, bad.float().cpu().reshape(1))
-        return bool(self.module.comm.all_reduce(flag, op="max").item())
+        """Whether any rank has an inf/NaN gradient (``grad_shards.found_inf``)."""
+        return grad_shards.found_inf(self.module.chunks, self.module.disk, self.module.comm)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
@@ -209,26 +195,7 @@ class ElixirOptimizer(Optimizer):
 
     def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._unscale()
-        norm_type = float(norm_type)
-        by_device = self._by_device()  # one host sync per device, not one per chunk
-        if norm_type == math.inf:
-            local = torch.zeros(1, dtype=torch.float32)
-            for grads in by_device.values():
-                peak = torch.stack([g.abs().max() for g in grads]).max()
-                local = torch.maximum(local, peak.float().cpu().reshape(1))
-            total = self.module.comm.all_reduce(local, op="max")[0]
-        else:
-            local = torch.zeros(1, dtype=torch.float64)
-            for grads in by_device.values():
-                norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads])
-                local += norms.double().pow(norm_type).sum().cpu()
-            total = self.module.comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
-        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        for device, grads in by_device.items():
-            scale = coef.to(device)  # one small copy per device
-            for g in grads:
-                g.mul_(scale)
-        return total
+        return grad_shards.clip(self.module.chunks, self.module.disk, self.module.comm, max_norm, norm_type)
 
     # ------------------------------------------------------------------ state dicts
     def _param_index(self) -> list[tuple[int, Optional[Slot]]]:
@@ -493,7 +460,7 @@ class ElixirOptimizer(Optimizer):
         groups = [_frozen_group(g) for g in self.param_groups]
         jobs = self._host_jobs(keys, batches, readers_done, groups, self.host_chunks)
         chunks = self.module.chunks
-        self.module.host_updates.start(jobs, zero=lambda cid: chunks[cid].grad_shard.zero_())
+        self.module.host_updates.start(jobs, zero=lambda cid: clear_grad(self.module.disk, chunks[cid]))
 
     def _host_jobs(self, keys: list[tuple], batches: dict[tuple, dict[str, list]],
                    readers_done: Optional[torch.cuda.Event], groups: list[dict],
@@ -538,7 +505,8 @@ class ElixirOptimizer(Optimizer):
         for cid in order:  # counted here, in this step's window (chunk.upload_from_staging)
             if by_chunk[cid] and chunks[cid].uploads_from_staging and not chunks[cid].master_aliased:
                 self.module.comm.counter.add("host_to_device", chunks[cid].upload_bytes)
-        if on_disk:  # the first read starts now, before the thread does
+        if on_disk:  # the first read starts now (once backward's gradients are in the file)
+            tier.grads.settle()
             tier.prefetch(on_disk[0])
         # nothing updated: nothing to publish (as inside step())
         return [(cid, lambda c=cid: run(c), (lambda c=cid: done(c)) if by_chunk[cid] else (lambda: None))

@@ -12,6 +12,9 @@ more at the end of backward. Whether that happens depends on this rank's graph, 
 ranks first agree on the set of late chunks (one small all-reduce per backward): a rank
 that issued the extra collective alone would hang NCCL.
 
+A chunk on the disk tier has no gradient shard in memory: its reduction adds into a buffer
+of the tier's gradient ring (``disk_grads.py``), written back to the file once added.
+
 At world size 1 with the gradient shard on the compute device there is nothing to reduce:
 gradients are added straight into the fp32 shard. With the optimizer state in host memory
 behind a CUDA device, each reduced shard goes down asynchronously (compute dtype) into
@@ -30,6 +33,7 @@ from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
 from hf_elixir.planner.packing import adopts_gradient
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime.comm import Collectives, Work
+from hf_elixir.runtime.disk_tier import DiskTier
 from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.schedule import END_BACKWARD
@@ -50,8 +54,11 @@ class GradReducer:
         clock: StepClock,
         host_updates: HostUpdates,
         max_in_flight: int = REDUCTIONS_IN_FLIGHT,
+        disk: Optional[DiskTier] = None,
     ) -> None:
         self.chunks = chunks
+        #: the gradient planes of chunks on the disk tier
+        self.disk_grads = disk.grads if disk is not None else None
         #: a gradient for a chunk still updating on the host thread waits for that update
         self.host_updates = host_updates
         #: charged with the waits for reductions and downloads, told where each backward ends
@@ -133,8 +140,9 @@ class GradReducer:
         if chunk.staging is not None:  # reduced on the device, then sent to the host
             work = self.comm.reduce_scatter_mean(scratch, chunk.grad_buffer, async_op=True) \
                 if self.comm.distributed else Work()
-        else:
-            work = self.comm.reduce_scatter_accumulate(chunk.grad_shard, chunk.grad_buffer, scratch, async_op=True)
+        else:  # added into the shard when the work completes (a disk chunk's: a ring buffer)
+            target = self.disk_grads.open(chunk.index) if chunk.disk else chunk.grad_shard
+            work = self.comm.reduce_scatter_accumulate(target, chunk.grad_buffer, scratch, async_op=True)
         self.pending.append((chunk, scratch, work))
         chunk.reduced = True
         while len(self.pending) > self.max_in_flight:
@@ -159,7 +167,11 @@ class GradReducer:
         clock.host_phase("pcie", start)
         start = clock.now()
         for chunk in self.downloads:
-            chunk.grad_shard.add_(chunk.staging)
+            if chunk.disk:
+                with self.disk_grads.opened(chunk.index) as grad:
+                    grad.add_(chunk.staging)
+            else:
+                chunk.grad_shard.add_(chunk.staging)
         self.downloads.clear()
         clock.host_phase("host_copies", start)
 
@@ -168,6 +180,8 @@ class GradReducer:
         start = self.clock.mark()
         work.wait()  # also adds the reduced slice into chunk.grad_shard (unless staged)
         self.clock.device_phase("exposed_communication", start)
+        if chunk.disk and chunk.staging is None:  # the sum is in the ring buffer: write it back
+            self.disk_grads.close(chunk.index)
         if chunk.staging is not None:  # one rank: the buffer's first shard_size elements are the shard
             self._download(chunk, scratch if scratch is not None else chunk.grad_buffer[: chunk.shard_size])
         if scratch is not None:

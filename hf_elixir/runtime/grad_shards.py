@@ -1,0 +1,85 @@
+"""Whole-model passes over the fp32 gradient shards: scaling, the inf/NaN check, the norm.
+
+Each pass reads every trainable chunk's gradient shard wherever it lives: a tensor on the
+device or in host memory, or, for a chunk on the disk tier, the gradient plane of its file
+(read one chunk at a time, so the disk tier's gradients are never all in memory; a scaling
+is recorded and applied where the plane is next read: ``disk_grads.py``). Shards are
+grouped by the device that would hold them in memory, in chunk order, so a disk chunk
+takes the place its host-tier twin would: the norms are summed in the same order and the
+result is the same, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from typing import Iterator, Optional, Sequence, Union
+
+import torch
+
+from hf_elixir.runtime.chunk import Chunk
+from hf_elixir.runtime.comm import Collectives
+from hf_elixir.runtime.disk_tier import DiskTier
+
+HOST = torch.device("cpu")
+
+
+def by_device(chunks: Sequence[Chunk], disk: Optional[DiskTier]) -> dict[torch.device, list[Chunk]]:
+    """The chunks with a non-empty gradient shard, grouped by where it lives (the host for
+    a disk chunk); every gradient written to the disk tier has reached its file."""
+    if disk is not None:
+        disk.grads.settle()
+    out: dict[torch.device, list[Chunk]] = defaultdict(list)
+    for chunk in chunks:
+        if chunk.grad_shard.numel():
+            out[HOST if chunk.disk else chunk.grad_shard.device].append(chunk)
+    return out
+
+
+def values(chunks: Sequence[Chunk], disk: Optional[DiskTier]) -> Iterator[torch.Tensor]:
+    """Each chunk's gradient shard as it stands (a disk chunk's: a scaled copy, read now)."""
+    for chunk in chunks:
+        yield disk.grads.read_scaled(chunk.index) if chunk.disk else chunk.grad_shard
+
+
+def scale(chunks: Sequence[Chunk], disk: Optional[DiskTier], factor: Union[float, torch.Tensor]) -> None:
+    """Multiply every gradient shard by ``factor`` (on the disk tier: recorded, applied when
+    each plane is next read)."""
+    for chunk in chunks:
+        if not chunk.disk:
+            chunk.grad_shard.mul_(factor)
+    if disk is not None and any(c.disk for c in chunks):
+        disk.grads.scale(factor)
+
+
+def found_inf(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives) -> bool:
+    """Whether any rank has an inf/NaN gradient: one host sync per device, one all-reduce."""
+    flag = torch.zeros(1, dtype=torch.float32)
+    for group in by_device(chunks, disk).values():
+        bad = torch.stack([torch.isfinite(g).all() for g in values(group, disk)]).logical_not().any()
+        flag = torch.maximum(flag, bad.float().cpu().reshape(1))
+    return bool(comm.all_reduce(flag, op="max").item())
+
+
+def clip(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives, max_norm: float,
+         norm_type: float) -> torch.Tensor:
+    """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (one all-reduce);
+    returns the total norm."""
+    norm_type = float(norm_type)
+    groups = by_device(chunks, disk)  # one host sync per device, not one per chunk
+    if norm_type == math.inf:
+        local = torch.zeros(1, dtype=torch.float32)
+        for group in groups.values():
+            peak = torch.stack([g.abs().max() for g in values(group, disk)]).max()
+            local = torch.maximum(local, peak.float().cpu().reshape(1))
+        total = comm.all_reduce(local, op="max")[0]
+    else:
+        local = torch.zeros(1, dtype=torch.float64)
+        for group in groups.values():
+            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in values(group, disk)])
+            local += norms.double().pow(norm_type).sum().cpu()
+        total = comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for device, group in groups.items():
+        scale(group, disk, coef.to(device))  # one small copy per device
+    return total
