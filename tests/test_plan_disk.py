@@ -5,6 +5,7 @@ once and searched several ways."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import pytest
@@ -45,6 +46,7 @@ def test_cli_plans_13b_with_the_remainder_on_disk(tmp_path, capsys) -> None:
     text = capsys.readouterr().out
     assert rc == 0, text
     assert "tiers per rank: device" in text and "disk traffic per step" in text
+    assert re.search(r"chosen .* \d+/\d+ \(\d+ disk\)", text), text  # the table counts disk chunks
     data = json.loads(out.read_text())
     placements = [c["optim_placement"] for c in data["chunks"] if not c["frozen"]]
     assert "disk" in placements

@@ -63,6 +63,7 @@ class Candidate:
             "chunk_size": self.chunk_size, "n_chunks": self.n_chunks,
             "activation_checkpointing": self.checkpointing, "rcache_blocks": self.rcache_blocks,
             "prefetch_depth": self.prefetch_depth, "optim_offload_chunks": self.n_optim_cpu,
+            "optim_disk_chunks": self.n_optim_disk,
             "param_offload_chunks": self.n_param_cpu, "frozen_chunks": self.n_frozen,
             "frozen_offload_chunks": self.n_frozen_cpu, "peak_bytes": int(self.peak),
             "step_time_s": self.step_time, "memory": dict(self.memory), "time": dict(self.time),

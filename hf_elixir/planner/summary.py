@@ -23,7 +23,7 @@ def _row(label: str, d: dict[str, Any], frozen: bool) -> list[str]:
         str(d["rcache_blocks"]),
         "on" if d["activation_checkpointing"] else "off",
         str(d["prefetch_depth"]),
-        f"{d['optim_offload_chunks']}/{nt}",
+        f"{d['optim_offload_chunks']}/{nt}" + (f" ({d['optim_disk_chunks']} disk)" if d.get("optim_disk_chunks") else ""),
         f"{d['param_offload_chunks']}/{nt}",
     ]
     if frozen:
@@ -50,6 +50,7 @@ def chosen_as_dict(plan) -> dict[str, Any]:
         "prefetch_depth": plan.prefetch_depth,
         # disk chunks are host chunks whose state also lies on disk: counted here, and apart below
         "optim_offload_chunks": sum(c.optim_placement != "device" and not c.frozen for c in plan.chunks),
+        "optim_disk_chunks": sum(c.optim_placement == "disk" and not c.frozen for c in plan.chunks),
         "param_offload_chunks": sum(c.param_placement == "cpu" and not c.frozen for c in plan.chunks),
         "frozen_chunks": sum(c.frozen for c in plan.chunks),
         "frozen_offload_chunks": sum(c.param_placement == "cpu" and c.frozen for c in plan.chunks),

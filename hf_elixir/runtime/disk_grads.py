@@ -18,7 +18,9 @@ chunk's region in the file (ZeRO-Infinity streams gradients to NVMe the same way
   whatever reads the plane next: the update's copy, a norm's copy (``read_scaled``), or the
   next backward's buffer (which then holds the scaled value, as an in-memory shard would).
   The same multiplications on the same values in the same order: bit for bit the host
-  tier's gradients.
+  tier's gradients;
+- clipping's 2-norm of a plane is taken when it is closed, from the buffer in memory
+  (``norm``): were it read back for the norm, a step would read every gradient twice.
 
 Versions tell stale copies apart: every ``close`` and ``forget`` makes a new one, and a
 buffer (here or in the optimizer's ring) holding an older version is read again.
@@ -54,6 +56,8 @@ class DiskGrads:
         self._stored: set[int] = set()
         #: scalings recorded since each chunk's plane was last written or cleared
         self._scales: dict[int, list[Factor]] = {cid: [] for cid in chunks}
+        #: each plane's 2-norm and the version it is of
+        self._norms: dict[int, tuple[int, torch.Tensor]] = {}
         self._clock = 0
 
     # ------------------------------------------------------------------ bookkeeping
@@ -97,6 +101,15 @@ class DiskGrads:
         for factor in scales:
             grad.mul_(factor)
         return grad
+
+    def norm(self, cid: int) -> Optional[torch.Tensor]:
+        """Chunk ``cid``'s gradient's 2-norm (``torch.linalg.vector_norm``) if it is known
+        without reading the plane: taken at its last ``close`` (zero after ``forget``), and
+        no scaling recorded since. None otherwise."""
+        with self.file.lock:
+            version, value = self._norms.get(cid, (-1, None))
+            fresh = version == self._version[cid] and not self._scales[cid]
+        return value if fresh else None
 
     def read_scaled(self, cid: int) -> torch.Tensor:
         """A fresh copy of chunk ``cid``'s gradient as an in-memory shard would hold it now
@@ -144,7 +157,10 @@ class DiskGrads:
         if buf is None:
             raise RuntimeError(f"hf_elixir disk tier: gradient of chunk {cid} closed without being opened")
         buf.held = False
+        norm = torch.linalg.vector_norm(buf.data[: self.chunks[cid].numel], 2.0)
         buf.version = self._bump(cid, stored=True)
+        with self.file.lock:
+            self._norms[cid] = (buf.version, norm)
         view = buf.data[: self.chunks[cid].plane_bytes // 4]
         buf.future, buf.writing = self.file.submit(self.file.write, view, self.offset(cid)), True
 
@@ -160,7 +176,9 @@ class DiskGrads:
         """Chunk ``cid``'s gradient is zero (``zero_grad``): nothing is read or written."""
         with self.file.lock:
             self._scales[cid].clear()
-        self._bump(cid, stored=False)
+        version = self._bump(cid, stored=False)
+        with self.file.lock:
+            self._norms[cid] = (version, torch.zeros((), dtype=torch.float32))
 
     def settle(self) -> None:
         """Wait until every gradient written back has reached the file (before anything

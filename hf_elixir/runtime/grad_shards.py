@@ -61,6 +61,17 @@ def found_inf(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectiv
     return bool(comm.all_reduce(flag, op="max").item())
 
 
+def _norm(chunk: Chunk, disk: Optional[DiskTier], norm_type: float) -> torch.Tensor:
+    """One shard's norm; a disk chunk's 2-norm as taken when its gradient was written, if
+    nothing changed it since (``DiskGrads.norm``), else from the plane read back."""
+    if chunk.disk:
+        known = disk.grads.norm(chunk.index) if norm_type == 2.0 else None
+        if known is not None:
+            return known
+        return torch.linalg.vector_norm(disk.grads.read_scaled(chunk.index), norm_type)
+    return torch.linalg.vector_norm(chunk.grad_shard, norm_type)
+
+
 def clip(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives, max_norm: float,
          norm_type: float) -> torch.Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (one all-reduce);
@@ -76,7 +87,7 @@ def clip(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives, m
     else:
         local = torch.zeros(1, dtype=torch.float64)
         for group in groups.values():
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type) for g in values(group, disk)])
+            norms = torch.stack([_norm(c, disk, norm_type) for c in group])
             local += norms.double().pow(norm_type).sum().cpu()
         total = comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
