@@ -185,10 +185,3 @@ class DiskGrads:
         reads the planes from another thread or buffer)."""
         for buf in self._ring:
             buf.settle()
-
-    def forget_buffers(self, cids: Optional[Sequence[int]] = None) -> None:
-        """Drop cached copies (all, or those of ``cids``) after their I/O is over."""
-        for buf in self._ring:
-            if not buf.held and (cids is None or buf.cid in cids):
-                buf.settle()
-                buf.cid, buf.version = None, -1
