@@ -29,7 +29,7 @@ buffer (here or in the optimizer's ring) holding an older version is read again.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
