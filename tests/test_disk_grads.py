@@ -35,8 +35,8 @@ def test_gradient_planes_behave_as_in_memory_shards(tmp_path) -> None:
     for _ in range(300):
         cid = rng.randrange(len(numels))
         op = rng.choice(["add", "add", "add", "forget", "scale", "scale_tensor", "norm", "update"])
-        if op == "add":  # a reduction, sometimes two in flight
-            other = (cid + 1) % len(numels)
+        if op == "add":  # a reduction, sometimes two in flight, or two of one chunk
+            other = rng.choice([(cid + 1) % len(numels), cid])
             first, second = torch.randn(numels[cid], generator=gen), torch.randn(numels[other], generator=gen)
             a = grads.open(cid)
             b = grads.open(other)

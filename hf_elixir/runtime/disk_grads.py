@@ -58,6 +58,8 @@ class DiskGrads:
         self._scales: dict[int, list[Factor]] = {cid: [] for cid in chunks}
         #: each plane's 2-norm and the version it is of
         self._norms: dict[int, tuple[int, torch.Tensor]] = {}
+        #: how many reductions hold each chunk's buffer (backward's thread only)
+        self._opens: dict[int, int] = dict.fromkeys(chunks, 0)
         self._clock = 0
 
     # ------------------------------------------------------------------ bookkeeping
@@ -136,8 +138,15 @@ class DiskGrads:
         return buf
 
     def open(self, cid: int) -> torch.Tensor:
-        """Chunk ``cid``'s gradient shard in a ring buffer, to add into until ``close``."""
+        """Chunk ``cid``'s gradient shard in a ring buffer, to add into until ``close``.
+        A chunk may be opened again before it is closed (reduced twice in one backward: late
+        on another rank, its first reduction still in flight): both add into the one
+        buffer, written back at the last ``close``."""
         chunk = self.chunks[cid]
+        held = next((b for b in self._ring if b.cid == cid and b.held), None)
+        if held is not None:
+            self._opens[cid] += 1
+            return held.data[: chunk.numel]
         buf = self._buffer(cid)
         version = self.version(cid)
         if buf.version != version:  # not what the plane holds now: read it (or zeros)
@@ -149,6 +158,7 @@ class DiskGrads:
             buf.version = version
         self._clock += 1
         buf.held, buf.used = True, self._clock
+        self._opens[cid] = 1
         return self.apply_scales(cid, buf.data[: chunk.numel], consume=True)
 
     def close(self, cid: int) -> None:
@@ -156,6 +166,9 @@ class DiskGrads:
         buf = next((b for b in self._ring if b.cid == cid and b.held), None)
         if buf is None:
             raise RuntimeError(f"hf_elixir disk tier: gradient of chunk {cid} closed without being opened")
+        self._opens[cid] -= 1
+        if self._opens[cid]:  # another reduction still adds into it
+            return
         buf.held = False
         norm = torch.linalg.vector_norm(buf.data[: self.chunks[cid].numel], 2.0)
         buf.version = self._bump(cid, stored=True)
