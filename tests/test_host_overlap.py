@@ -81,7 +81,11 @@ def test_the_next_forward_runs_while_the_host_updates_and_the_weights_are_the_sa
                 assert torch.equal(overlapped["optimizer"]["state"][index][key], value), (dtype, index, key)
         measured = overlapped["report"]["measured"]
         assert measured["background"] > 0 and measured["overlap"] > 0
-        assert measured["overlap"] == measured["background"] - measured["exposed_cpu"]
+        # per step, overlap is the background work the main thread did not wait for; the
+        # report's means average each phase over the steps, so the identity is checked on a
+        # step (the mean of differences and the difference of means part in the last bit)
+        last = overlapped["report"]["last"]
+        assert last["overlap"] == max(0.0, last["background"] - last["exposed_cpu"])
         assert inline["report"]["measured"]["background"] == 0 and inline["report"]["measured"]["cpu_optimizer"] > 0
 
 
