@@ -10,7 +10,7 @@ chunk's region in the file (ZeRO-Infinity streams gradients to NVMe the same way
   holding what the plane holds (read from the file if this step has written it, zeros
   otherwise), into which the reduced slice is added; ``close`` writes it back behind, on
   the I/O threads. Only reductions in flight hold buffers, so the ring is
-  ``REDUCTIONS_IN_FLIGHT + 2`` planes;
+  ``planner.disk.GRAD_RING`` planes (the planner counts them in host memory);
 - the update reads the plane with the chunk's other planes (``DiskTier.acquire``);
 - ``forget`` is ``zero_grad``: the plane reads as zeros until it is written again;
 - a scaling of every gradient shard (fp16's unscale, clipping) cannot rewrite every plane
@@ -33,7 +33,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
+from hf_elixir.planner.disk import GRAD_RING
 from hf_elixir.runtime.disk_io import DiskFile, RingBuffer, aligned
 
 #: the plane's name in a chunk's region (always its last plane)
@@ -46,7 +46,7 @@ class DiskGrads:
 
     ``chunks``: the tier's ``DiskChunk`` by index, each with a ``"grad"`` plane last."""
 
-    def __init__(self, file: DiskFile, chunks: dict, ring: int = REDUCTIONS_IN_FLIGHT + 2) -> None:
+    def __init__(self, file: DiskFile, chunks: dict, ring: int = GRAD_RING) -> None:
         self.file = file
         self.chunks = chunks
         largest = max((c.plane_bytes for c in chunks.values()), default=0)
@@ -113,15 +113,20 @@ class DiskGrads:
             fresh = version == self._version[cid] and not self._scales[cid]
         return value if fresh else None
 
+    def load(self, cid: int, view: torch.Tensor) -> None:
+        """Fill ``view`` (a whole plane) with chunk ``cid``'s gradient as stored: read from
+        the file if this run wrote it, else zeros (never what the file held before)."""
+        if self.stored(cid):
+            self.file.read(view, self.offset(cid))
+        else:
+            view.zero_()
+
     def read_scaled(self, cid: int) -> torch.Tensor:
         """A fresh copy of chunk ``cid``'s gradient as an in-memory shard would hold it now
         (for a norm or an inf check); reads the plane, changes nothing."""
         chunk = self.chunks[cid]
         out = aligned(chunk.plane_bytes)
-        if self.stored(cid):
-            self.file.read(out, self.offset(cid))
-        else:
-            out.zero_()
+        self.load(cid, out)
         return self.apply_scales(cid, out[: chunk.numel])
 
     # ------------------------------------------------------------------ backward's buffers
@@ -150,11 +155,7 @@ class DiskGrads:
         buf = self._buffer(cid)
         version = self.version(cid)
         if buf.version != version:  # not what the plane holds now: read it (or zeros)
-            view = buf.data[: chunk.plane_bytes // 4]
-            if self.stored(cid):
-                self.file.read(view, self.offset(cid))
-            else:
-                view.zero_()
+            self.load(cid, buf.data[: chunk.plane_bytes // 4])
             buf.version = version
         self._clock += 1
         buf.held, buf.used = True, self._clock

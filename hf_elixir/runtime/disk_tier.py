@@ -380,7 +380,9 @@ class DiskTier:
         per = chunk.plane_bytes // 4
         for i, plane in enumerate(chunk.planes):
             view = buf.data[i * per : (i + 1) * per]
-            if (self.grads.stored(cid) if plane == GRAD else (cid, plane) in self._written):
+            if plane == GRAD:
+                self.grads.load(cid, view)
+            elif (cid, plane) in self._written:
                 self.file.read(view, chunk.offset + i * chunk.plane_bytes)
             else:  # never written in this run: fresh (zero) state, not whatever the file holds
                 view.zero_()
@@ -396,11 +398,7 @@ class DiskTier:
         version = self.grads.version(cid)
         if buf.version != version:
             start = chunk.planes.index(GRAD) * chunk.plane_bytes // 4
-            view = buf.data[start : start + chunk.plane_bytes // 4]
-            if self.grads.stored(cid):
-                self.file.read(view, self.grads.offset(cid))
-            else:
-                view.zero_()
+            self.grads.load(cid, buf.data[start : start + chunk.plane_bytes // 4])
         self.grads.apply_scales(cid, self._views(buf, cid)[GRAD])
         buf.version = -1  # scaled: read again before the next use
 
