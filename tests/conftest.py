@@ -16,3 +16,11 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 if "HF_ELIXIR_CACHE" not in os.environ:
     os.environ["HF_ELIXIR_CACHE"] = tempfile.mkdtemp(prefix="hf_elixir_test_cache_")
     atexit.register(shutil.rmtree, os.environ["HF_ELIXIR_CACHE"], ignore_errors=True)
+
+
+def pytest_sessionstart(session) -> None:
+    """Start the server the multi-process tests fork their ranks from (harness.py) before any
+    test changes the environment; it imports torch and transformers while collection runs."""
+    from harness import start_rank_server
+
+    start_rank_server()

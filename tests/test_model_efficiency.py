@@ -21,7 +21,7 @@ from dataclasses import asdict, replace
 import pytest
 import torch
 from arch_configs import NotSmall, Skip, build_tiny, causal_lm_types, make_ids
-from harness import run_distributed
+from harness import process_pool, run_distributed
 from tiny_models import make_model
 
 import hf_elixir as hfe
@@ -82,55 +82,61 @@ def _loss(model, ids) -> float:
     return loss_of(model(input_ids=ids, labels=ids)).item()
 
 
-def test_every_architecture_is_timed_and_shortened_copies_match_transformers() -> None:
+def _check_architecture(arch: str) -> tuple[str, str | None]:
+    """What measuring ``arch`` gives: ("skip" | "not_trainable" | "not_profiled" | "mixed" |
+    "problem" | "whole" | "matched" | "timed", the problem or None)."""
     ids = make_ids(2, 8)
-    timed, matched, whole, not_trainable, not_profiled, mixed = [], [], [], [], [], []
-    problems = {}
-    for arch in causal_lm_types():
-        model = build_tiny(arch)
-        if isinstance(model, (Skip, NotSmall)):
-            continue
-        try:  # the reference: plain PyTorch trains it from input_ids (a model of its own: some
-            # keep tensors of their last forward as attributes)
-            plain = build_tiny(arch)
-            loss_of(plain(input_ids=ids, labels=ids)).backward()
-        except Exception:
-            not_trainable.append(arch)
-            continue
-        try:  # and the planner prices it from its meta trace, which the measurement compares with
-            hfe.profile_model(build_tiny(arch), (2, 8), dtype="fp32", attention_target="cpu", checkpointing=False)
-        except Exception:
-            not_profiled.append(arch)
-            continue
-        if me.block_list(model) is None:  # a hybrid whose layers are of several classes (olmo_hybrid):
-            mixed.append(arch)              # measure() has no block to time and says so with None
-            continue
-        before = {k: v.clone() for k, v in model.state_dict().items()}
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            got = me.measure(model, (2, 8), _figs(), CPU, priced_whole=None)
-        if got is None or not got.efficiency > 0:
-            problems[arch] = f"not timed: {got}"
-            continue
-        after = model.state_dict()
-        if set(after) != set(before) or any(not torch.equal(before[k], after[k]) for k in before):
-            problems[arch] = "the measurement changed the model"
-            continue
-        timed.append(arch)
-        if len(got.blocks_timed) == 1:
-            whole.append(arch)
-            continue
-        one = me.reduced_copy(model, 1, CPU, torch.float32)
-        ref = _one_block_reference(model, one)
-        if ref is not None:
-            a, b = _loss(one, ids), _loss(ref, ids)
-            if abs(a - b) > 1e-5 * max(1.0, abs(b)):
-                problems[arch] = f"one-block copy's loss {a} != transformers' one-block model's {b}"
-                continue
-            matched.append(arch)
+    model = build_tiny(arch)
+    if isinstance(model, (Skip, NotSmall)):
+        return "skip", None
+    try:  # the reference: plain PyTorch trains it from input_ids (a model of its own: some
+        # keep tensors of their last forward as attributes)
+        plain = build_tiny(arch)
+        loss_of(plain(input_ids=ids, labels=ids)).backward()
+    except Exception:
+        return "not_trainable", None
+    try:  # and the planner prices it from its meta trace, which the measurement compares with
+        hfe.profile_model(build_tiny(arch), (2, 8), dtype="fp32", attention_target="cpu", checkpointing=False)
+    except Exception:
+        return "not_profiled", None
+    if me.block_list(model) is None:  # a hybrid whose layers are of several classes (olmo_hybrid):
+        return "mixed", None          # measure() has no block to time and says so with None
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = me.measure(model, (2, 8), _figs(), CPU, priced_whole=None)
+    if got is None or not got.efficiency > 0:
+        return "problem", f"not timed: {got}"
+    after = model.state_dict()
+    if set(after) != set(before) or any(not torch.equal(before[k], after[k]) for k in before):
+        return "problem", "the measurement changed the model"
+    if len(got.blocks_timed) == 1:
+        return "whole", None
+    one = me.reduced_copy(model, 1, CPU, torch.float32)
+    ref = _one_block_reference(model, one)
+    if ref is None:
+        return "timed", None
+    a, b = _loss(one, ids), _loss(ref, ids)
+    if abs(a - b) > 1e-5 * max(1.0, abs(b)):
+        return "problem", f"one-block copy's loss {a} != transformers' one-block model's {b}"
+    return "matched", None
+
+
+def test_every_architecture_is_timed_and_shortened_copies_match_transformers() -> None:
+    # two processes, one architecture at a time each: the architectures are independent, and
+    # the figures are only checked to exist
+    archs = causal_lm_types()
+    with process_pool(2) as pool:
+        outcomes = dict(zip(archs, pool.map(_check_architecture, archs)))
+    kinds: dict[str, list[str]] = {}
+    for arch, (kind, _) in outcomes.items():
+        kinds.setdefault(kind, []).append(arch)
+    problems = {arch: problem for arch, (kind, problem) in outcomes.items() if kind == "problem"}
+    timed = [a for a, (kind, _) in outcomes.items() if kind in ("whole", "matched", "timed")]
+    matched, whole = kinds.get("matched", []), kinds.get("whole", [])
     print(f"\n{len(timed)} architectures timed ({len(whole)} whole: {whole}); {len(matched)} one-block copies "
-          f"match transformers' own; plain model does not train: {not_trainable}; no meta profile: {not_profiled}; "
-          f"blocks of several classes: {mixed}")
+          f"match transformers' own; plain model does not train: {kinds.get('not_trainable', [])}; no meta "
+          f"profile: {kinds.get('not_profiled', [])}; blocks of several classes: {kinds.get('mixed', [])}")
     assert not problems, problems
     assert len(matched) >= 100  # most configs can be told their block count; the sweep found 137
 
