@@ -40,7 +40,8 @@ def free_port() -> int:
 
 
 #: what the rank server imports before it forks ranks: the imports every rank would repeat
-RANK_SERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils"]
+RANK_SERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
+                       "rank_server_ready"]
 
 
 def start_rank_server() -> None:

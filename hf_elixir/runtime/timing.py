@@ -124,6 +124,25 @@ class StepClock:
         host = self._open.host if self._open is not None else self._carry
         host[phase] = host.get(phase, 0.0) + time.perf_counter() - start
 
+    def interval(self) -> Optional[tuple[_Open, float, float]]:
+        """The start of a host interval whose unmarked time ``charge_rest`` will charge: the
+        open step, what its phases hold now, and now (None: no step open, or on CUDA)."""
+        if self._open is None or self.events:
+            return None
+        return self._open, sum(self._open.host.values()), time.perf_counter()
+
+    def charge_rest(self, phase: str, interval: Optional[tuple[_Open, float, float]]) -> None:
+        """Charge ``phase`` with the part of ``interval`` (from ``interval()``) up to now that
+        no phase was charged with meanwhile: the bookkeeping between a call's marks. CPU
+        only: on CUDA the step is timed on the compute stream, where host bookkeeping the
+        device does not wait for takes no time."""
+        if interval is None or interval[0] is not self._open:
+            return
+        step, charged, start = interval
+        rest = time.perf_counter() - start - (sum(step.host.values()) - charged)
+        if rest > 0:
+            step.host[phase] = step.host.get(phase, 0.0) + rest
+
     def end_step(self, background: Optional[dict[str, float]] = None) -> None:
         """The optimizer step is over: close the step (read on a later report).
         ``background``: seconds by phase of work on other threads that ended meanwhile."""
