@@ -403,6 +403,7 @@ class ElixirOptimizer(Optimizer):
         gradient, master and state of every slot with a gradient, by (chunk it must be
         updated alone with, or -1; parameter group; device of its state)."""
         batches: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+        active = active.tolist()  # a list's items are read in nanoseconds, a tensor's in microseconds
         for chunk, state in zip(self.module.chunks, self.flat_state):
             if chunk.frozen:
                 continue

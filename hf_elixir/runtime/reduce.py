@@ -72,7 +72,10 @@ class GradReducer:
         self.pending: deque[tuple[Chunk, Optional[torch.Tensor], Work]] = deque()
         self.downloads: list[Chunk] = []     # staged chunks whose download is in flight
         # which parameters received a gradient since the last optimizer step, on this rank
-        self.seen = torch.zeros(n_slots, dtype=torch.uint8)
+        # kept in a bytearray the tensor shares: setting one byte of it per gradient costs
+        # nothing, where indexing a tensor from Python costs microseconds per parameter
+        self._seen = bytearray(max(n_slots, 1))
+        self.seen = torch.frombuffer(self._seen, dtype=torch.uint8)[:n_slots]
         self.enabled = True
         #: what this rank reports at the end of the next backward (REPLAN: an optimizer step
         #: had to recover locally and asks every rank to re-plan)
@@ -87,7 +90,7 @@ class GradReducer:
 
     def on_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
         self._settled(chunk)
-        self.seen[slot.index] = 1
+        self._seen[slot.index] = 1
         if chunk.direct_grads:
             chunk.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
             return
