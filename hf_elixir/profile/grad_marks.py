@@ -60,20 +60,22 @@ def _replace(obj: Any, mapping: dict[int, torch.Tensor]) -> Any:
     return obj
 
 
-def on_output_grad(output: Any, callback: Callable[[], None]) -> None:
+def on_output_grad(output: Any, callback: Callable[[], None]) -> int:
     """Call ``callback`` whenever the gradient of one of ``output``'s grad-requiring tensors
-    is ready (the caller makes repeated calls harmless).
+    is ready (the caller makes repeated calls harmless). Returns how many tensors it hooked.
 
     An output that is a view (``nn.Linear`` on a 3-D input returns one) and is then modified
     in place is rebased by autograd onto its base: its own view node leaves the graph and a
     hook on it never fires. So the node that made the base is hooked as well."""
     hook = lambda *grads: callback()  # noqa: E731 - returns None: gradients are unchanged
-    for t in grad_tensors(output, []):
+    tensors = grad_tensors(output, [])
+    for t in tensors:
         t.register_hook(hook)
         if t._is_view():
             base_fn = t._base.grad_fn
             if base_fn is not None:
                 base_fn.register_prehook(hook)
+    return len(tensors)
 
 
 def alias_inputs(inputs: Any, callback: Callable[[], None]) -> Any:

@@ -8,7 +8,10 @@ For a module that owns chunked parameters:
   both in place);
 - each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
 At the end of every backward (an autograd engine callback) leftover pins are dropped and
-the remaining chunks are reduce-scattered.
+the remaining chunks are reduce-scattered. When every chunk is gathered in place (one rank,
+shards on the compute device: ``lean``), the input aliases and output hooks are not made,
+since no chunk can be evicted before its backward; the first module outputs that need a
+gradient in each forward queue the end-of-backward callback.
 
 Reads that no module hook sees (a fused loss reading ``lm_head.weight`` directly, a custom
 autograd function) reach ``read_released`` through the released parameter itself
@@ -70,9 +73,16 @@ class HookManager:
     fault_check: Optional[Callable[[str], None]] = None
     #: told, at the end of every backward, what the ranks agreed there (reduce.HEALTHY...)
     on_backward_end: Optional[Callable[[int], None]] = None
+    #: every chunk is gathered in place (one rank, shards on the compute device): nothing
+    #: evicts a chunk between a module's forward and its backward, so the per-module tensor
+    #: hooks that fetch it again before its backward, and unpin it after, would only cost
+    #: time; the outputs of one module a forward runs queue the end-of-backward callback
+    lean: bool = False
+    _end_hooked: bool = False  # lean: this forward's outputs already carry that hook
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
+        self.lean = all(chunk.in_place for chunk in self.slot_chunk)
         self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
         self.handles.append(self.root.register_forward_hook(self._root_post_forward, always_call=True))
         for module, cids in self.units.items():
@@ -121,6 +131,7 @@ class HookManager:
             if self._callback_queued:  # the last backward raised before it finished
                 self._abandon_backward()
             self.cache.begin_pass(record=torch.is_grad_enabled() and module.training)
+            self._end_hooked = False
         self._forward_depth += 1
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -139,7 +150,7 @@ class HookManager:
             call.fetched = True
             if self.fault_check is not None and torch.is_grad_enabled() and not in_backward():
                 self.fault_check("forward")
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not self.lean:
                 args, kwargs = alias_inputs((args, kwargs), lambda: self._post_backward(call))
             return args, kwargs
 
@@ -149,8 +160,12 @@ class HookManager:
             if not call.fetched:  # the fetch failed and unpinned what it had pinned
                 return output
             self.fetcher.unpin(call.cids)
-            if torch.is_grad_enabled():
+            if torch.is_grad_enabled() and not self.lean:
                 on_output_grad(output, lambda: self._pre_backward(call))
+            elif torch.is_grad_enabled() and not self._end_hooked:
+                # a module's output, not the model's: code that only differentiates the
+                # user's loss by the model's loss (recovery's link_loss) does not reach it
+                self._end_hooked = on_output_grad(output, self._ensure_end_callback) > 0
             return output
 
         return pre_forward, post_forward

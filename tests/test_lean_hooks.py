@@ -1,0 +1,97 @@
+"""World size 1 with every chunk gathered in place (``HookManager.lean``): the per-module
+tensor hooks that fetch a chunk again before its backward are not made, since nothing can
+evict an in-place chunk. What they also did must still happen: the end of every backward is
+seen (the time report's pass spans the backward; recovery's differentiation of a scaled loss
+by the model's loss must not end it early), and training is plain PyTorch's. At world size 2
+the hooks are made as before."""
+
+from __future__ import annotations
+
+import copy
+import time
+from unittest import mock
+
+import pytest
+import torch
+
+import hf_elixir as hfe
+from equivalence import assert_state_close
+from harness import run_distributed
+from loops import plain_steps
+from tiny_models import make_batch, make_model
+
+ACCUMULATE = 2
+STEPS = 3
+
+
+def _hooks_in_one_forward(emodel, ids: torch.Tensor) -> int:
+    """How many tensor hooks one training forward registers."""
+    count = 0
+    register = torch.Tensor.register_hook
+
+    def counting(tensor, hook):
+        nonlocal count
+        count += 1
+        return register(tensor, hook)
+
+    with mock.patch.object(torch.Tensor, "register_hook", counting):
+        emodel(input_ids=ids, labels=ids)
+    return count
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_in_place_chunks_train_like_pytorch_without_per_module_hooks(checkpointing) -> None:
+    torch.manual_seed(0)
+    model = make_model("llama")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    reference = copy.deepcopy(model)
+    batches = [make_batch(4, 16, seed=s) for s in range(STEPS * ACCUMULATE)]
+
+    plain_opt = torch.optim.AdamW(reference.parameters(), lr=1e-3)
+    plain_steps(reference, plain_opt, batches, clip=1.0, accumulate=ACCUMULATE)
+
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=1 << 14))
+    assert emodel.hooks.lean and all(c.in_place for c in emodel.chunks)
+    assert len(emodel.hooks.units) > 4
+    assert _hooks_in_one_forward(emodel, batches[0]) <= 2  # one module's outputs, not every module's
+    opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    opt.zero_grad()
+    backward_walls = []
+    for step in range(STEPS):
+        walls = 0.0
+        for ids in batches[step * ACCUMULATE:(step + 1) * ACCUMULATE]:
+            loss = emodel(input_ids=ids, labels=ids).loss / ACCUMULATE  # recovery links this scaling
+            start = time.perf_counter()
+            opt.backward(loss)
+            walls += time.perf_counter() - start
+        backward_walls.append(walls)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+
+    assert_state_close(reference.state_dict(), emodel.state_dict(), label="lean")
+    steps = emodel.clock.steps()
+    assert [s["micro_batches"] for s in steps] == [ACCUMULATE] * STEPS
+    for step, walls in zip(steps, backward_walls):
+        # each pass runs from its forward to its backward's end, so the passes hold the
+        # backward calls whole (a pass ended early by the loss link held a forward only)
+        assert step["forward_backward"] >= walls, (step["forward_backward"], walls)
+    emodel.close()
+
+
+def _two_ranks(rank: int, world_size: int) -> tuple[bool, int, int]:
+    torch.manual_seed(0)
+    model = make_model("llama")
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 14))
+    count = _hooks_in_one_forward(emodel, make_batch(2, 16))
+    lean, units = emodel.hooks.lean, len(emodel.hooks.units)
+    emodel.close()
+    return lean, count, units
+
+
+def test_sharded_chunks_keep_the_per_module_hooks() -> None:
+    for lean, count, units in run_distributed(_two_ranks, 2):
+        assert not lean
+        assert count >= units  # every fetch unit's inputs or outputs are hooked
