@@ -120,7 +120,7 @@ def _train_elixir(model_type: str, model: torch.nn.Module, ids: torch.Tensor, ra
     info = {"n_chunks": plan.n_chunks, "rcache_blocks": plan.rcache_blocks, "borrowed": plan.borrowed,
             "oversized": sum(c.numel > plan.chunk_size for c in plan.chunks)}
     hooked = {name for name, module in model.named_modules() if module in emodel.hooks.units}
-    return losses, {"state": emodel.state_dict(), "info": info, "hooked": hooked}
+    return losses, {"state": emodel.state_dict(), "info": info, "hooked": hooked, "runtime": emodel}
 
 
 def _flat(state: dict) -> torch.Tensor:
@@ -205,6 +205,10 @@ def _compare(rank: int, model_type: str, group) -> dict:
         elixir_ok, error = False, traceback.format_exc(limit=6)
     if not _agree(elixir_ok, group):
         return {"status": "fail", "reason": error or "failed on the other rank"}
+    # closed once both ranks trained (closing is collective): its two gloo groups' threads
+    # end here, not with the process, which otherwise ran a thousand idle threads a rank by
+    # the sweep's end
+    got.pop("runtime").close()
     twin_ok, twin_error = True, ""
     if rank == 1:  # plain PyTorch in hf_elixir's grouping (module docstring)
         twin = with_input_views(build_tiny(model_type), got["hooked"])
