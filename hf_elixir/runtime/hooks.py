@@ -160,9 +160,11 @@ class HookManager:
             if not call.fetched:  # the fetch failed and unpinned what it had pinned
                 return output
             self.fetcher.unpin(call.cids)
-            if torch.is_grad_enabled() and not self.lean:
+            if not torch.is_grad_enabled():
+                return output
+            if not self.lean:
                 on_output_grad(output, lambda: self._pre_backward(call))
-            elif torch.is_grad_enabled() and not self._end_hooked:
+            elif not self._end_hooked:
                 # a module's output, not the model's: code that only differentiates the
                 # user's loss by the model's loss (recovery's link_loss) does not reach it
                 self._end_hooked = on_output_grad(output, self._ensure_end_callback) > 0
