@@ -260,8 +260,12 @@ def require_qlora() -> None:
 def ensure_calibration(log=print) -> None:
     """Calibrate this machine once, so the plan's predicted times are this machine's."""
     if HardwareProfile.cached() is None:
-        log(f"calibrating this machine once for the planner (about 20 s; cached in {cache_path()})", flush=True)
+        # 2.7 min on the 2-core test VM (two one-thread ranks re-measure compute side by side)
+        log(f"calibrating this machine once for the planner (a few minutes on a small CPU machine; "
+            f"cached in {cache_path()})", flush=True)
+        started = time.perf_counter()
         calibrate_machine()
+        log(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def free_port() -> int:
