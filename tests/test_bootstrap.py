@@ -68,10 +68,24 @@ EARLY = """
 """
 
 
+# a script that imports hf_elixir's integration itself first (examples/finetune_gpt2_accelerate.py)
+DIRECT = """
+    from hf_elixir.integrations.bootstrap import install
+    install()
+    from hf_elixir.integrations import ElixirAccelerator, ElixirTrainer
+    import accelerate
+    import accelerate.accelerator
+    import transformers
+    assert ElixirAccelerator.__mro__[1] is accelerate.accelerator.Accelerator
+    assert accelerate.Accelerator is ElixirAccelerator and transformers.Trainer is ElixirTrainer
+    print("direct ok")
+"""
+
+
 def test_names_are_installed_when_the_script_reads_them() -> None:
     procs = {name: subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=worker_env(),
                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for name, code in (("staged", STAGED), ("early", EARLY))}
+             for name, code in (("staged", STAGED), ("early", EARLY), ("direct", DIRECT))}
     for name, proc in procs.items():
         out = proc.communicate(timeout=300)[0]
         assert proc.returncode == 0 and f"{name} ok" in out, out[-4000:]

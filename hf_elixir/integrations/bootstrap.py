@@ -54,13 +54,17 @@ def _original(package: str, name: str) -> Any:
 def _resolver(package: str):
     """What a replaced name of ``package`` reads as: its elixir class, imported on first read
     and then set on the module that was asked (and on the one ``sys.modules`` holds); while
-    the hf_elixir module defining it is itself loading, the package's own class."""
+    the hf_elixir module defining it is itself loading (a script may import it first), the
+    package's own class, left unset so the next read resolves again."""
     names = REPLACEMENTS[package]
 
     def resolve(name: str, asked: types.ModuleType) -> Any:
         _, where, cls_name = names[name]
         busy = getattr(_loading, "modules", frozenset())
-        if where in busy:
+        loaded = sys.modules.get(where)
+        if where in busy or (loaded is not None and not hasattr(loaded, cls_name)):
+            # our module is loading (through this name, or imported directly by the script
+            # and now importing the original it subclasses)
             return _original(package, name)
         _loading.modules = busy | {where}
         try:
