@@ -22,7 +22,6 @@ import importlib
 import importlib.abc
 import importlib.machinery
 import sys
-import threading
 import types
 from typing import Any, Optional, Sequence
 
@@ -42,13 +41,14 @@ REPLACEMENTS: dict[str, dict[str, tuple[str, str, str]]] = {
 #: by this name (``ElixirTrainer`` points it at ``ElixirAccelerator`` for that one call)
 KEEP_ORIGINAL: dict[str, tuple[str, str]] = {"transformers.trainer": ("accelerate", "Accelerator")}
 
-# hf_elixir modules being imported on this thread: they subclass the originals, so while
-# one loads, the package answers with its own class
-_loading = threading.local()
-
-
 def _original(package: str, name: str) -> Any:
     return getattr(importlib.import_module(REPLACEMENTS[package][name][0]), name)
+
+
+def _package_objects(package: str, module: types.ModuleType) -> list[types.ModuleType]:
+    """``module`` and the object ``sys.modules`` holds for ``package``, once each: a lazy
+    module may put a new object there while the package loads."""
+    return list({id(m): m for m in (module, sys.modules.get(package)) if m is not None}.values())
 
 
 def _resolver(package: str):
@@ -60,20 +60,14 @@ def _resolver(package: str):
 
     def resolve(name: str, asked: types.ModuleType) -> Any:
         _, where, cls_name = names[name]
-        busy = getattr(_loading, "modules", frozenset())
         loaded = sys.modules.get(where)
-        if where in busy or (loaded is not None and not hasattr(loaded, cls_name)):
-            # our module is loading (through this name, or imported directly by the script
-            # and now importing the original it subclasses)
+        if loaded is not None and not hasattr(loaded, cls_name):
+            # our module is loading (through this very read, or imported by the script
+            # directly) and imports the original it subclasses
             return _original(package, name)
-        _loading.modules = busy | {where}
-        try:
-            value = getattr(importlib.import_module(where), cls_name)
-        finally:
-            _loading.modules = busy
-        for target in {id(m): m for m in (asked, sys.modules.get(package))}.values():
-            if target is not None:
-                setattr(target, name, value)
+        value = getattr(importlib.import_module(where), cls_name)
+        for target in _package_objects(package, asked):
+            setattr(target, name, value)
         return value
 
     return resolve
@@ -116,9 +110,7 @@ def _class_getattr(package: str, cls: type) -> None:
 def _defer_names(package: str, module: types.ModuleType) -> None:
     """Route the replaced names of an imported ``package`` to the elixir classes, read on
     first use (the originals stay in the modules that define them)."""
-    for target in {id(m): m for m in (module, sys.modules.get(package))}.values():
-        if target is None:
-            continue
+    for target in _package_objects(package, module):
         for name in REPLACEMENTS[package]:
             target.__dict__.pop(name, None)
         if type(target) is types.ModuleType:
