@@ -81,6 +81,72 @@ def test_in_place_chunks_train_like_pytorch_without_per_module_hooks(checkpointi
     emodel.close()
 
 
+def _lean_runtime(seed: int = 0):
+    """A plain copy and an hf_elixir runtime of one tiny Llama at world size 1, every chunk in
+    place, with AdamW on both sides."""
+    torch.manual_seed(seed)
+    model = make_model("llama", seed=seed)
+    model.train()
+    reference = copy.deepcopy(model)
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=1 << 14))
+    opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    return model, reference, emodel, opt, torch.optim.AdamW(reference.parameters(), lr=1e-3)
+
+
+def test_in_place_gradients_are_the_shard_and_steps_release_nothing() -> None:
+    """A step costs what plain PyTorch's does: autograd adds each gradient into the chunk's
+    gradient shard itself (the parameter's ``.grad`` is its place there), and an optimizer
+    step leaves every in-place chunk gathered, so no parameter is released and gathered
+    again (two class swaps each) per step."""
+    from hf_elixir.runtime import chunk as chunk_module
+
+    model, reference, emodel, opt, plain_opt = _lean_runtime()
+    batches = [make_batch(4, 16, seed=s) for s in range(STEPS)]
+    emodel(input_ids=batches[0], labels=batches[0])  # the first forward gathers every chunk
+    marks = mock.Mock()
+    with mock.patch.object(chunk_module, "mark_released", marks.released), \
+            mock.patch.object(chunk_module, "mark_gathered", marks.gathered):
+        for ids in batches:
+            opt.backward(emodel(input_ids=ids, labels=ids).loss)
+            for chunk in emodel.chunks:
+                for slot in chunk.slots:
+                    grad = slot.param.grad
+                    assert grad is not None and grad.untyped_storage().data_ptr() == \
+                        chunk.grad_shard.untyped_storage().data_ptr(), slot.name
+            opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+    assert marks.released.call_count == 0 and marks.gathered.call_count == 0
+    # read outside any forward after a step: the in-place weights are the updated ones
+    plain_steps(reference, plain_opt, batches, clip=1.0)
+    for (name, theirs), ours in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6, msg=name)
+    emodel.close()
+
+
+@pytest.mark.parametrize("between", ["model_zero_grad", "create_graph"])
+def test_gradients_in_the_shard_keep_pytorch_semantics(between: str) -> None:
+    """Where autograd hands a new gradient tensor instead of adding into the view, PyTorch's
+    meaning is kept: after the wrapped model's own ``zero_grad()`` (which sets ``.grad`` to
+    None, that is zero) the next micro-batch's gradient replaces what was accumulated; with
+    ``create_graph=True`` autograd sums out of place, and the sum is the gradient."""
+    model, reference, emodel, opt, plain_opt = _lean_runtime(seed=3)
+    batches = [make_batch(4, 16, seed=s) for s in range(4)]
+    create_graph = between == "create_graph"
+    for side, run, step_opt in ((reference, reference, plain_opt), (model, emodel, opt)):
+        for step in range(2):
+            for micro, ids in enumerate(batches[2 * step:2 * step + 2]):
+                loss = run(input_ids=ids, labels=ids).loss / 2
+                loss.backward(create_graph=create_graph)
+                if micro == 0 and not create_graph:
+                    side.zero_grad()  # the HF model's own: the first micro-batch is dropped
+            step_opt.step()
+            step_opt.zero_grad()
+    for (name, theirs), ours in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-6, msg=name)
+    emodel.close()
+
+
 def _two_ranks(rank: int, world_size: int) -> tuple[bool, int, int]:
     torch.manual_seed(0)
     model = make_model("llama")

@@ -17,7 +17,7 @@ AttributeError on the wrapped model, and what can be answered from the whole mod
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Collection, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -140,9 +140,9 @@ class LazyElixirModule(ElixirModule):
         if self.sharded:
             super().close()
 
-    def release_all(self, keep_frozen: bool = False) -> None:
+    def release_all(self, keep: Collection[int] = ()) -> None:
         if self.sharded:
-            super().release_all(keep_frozen=keep_frozen)
+            super().release_all(keep=keep)
 
     @contextlib.contextmanager
     def gathered_parameters(self, *params: Any) -> Iterator[None]:

@@ -9,7 +9,7 @@ depends only on that request sequence, so the collectives line up.
 from __future__ import annotations
 
 import warnings
-from typing import Optional, Sequence
+from typing import Collection, Optional, Sequence
 
 import torch
 
@@ -92,15 +92,16 @@ class Fetcher:
             assert chunk.pins > 0, f"chunk {cid} unpinned more often than pinned"
             chunk.pins -= 1
 
-    def release_all(self, keep_frozen: bool = False) -> None:
+    def release_all(self, keep: Collection[int] = ()) -> None:
         """Mark every gathered chunk stale (before the shards change: an optimizer step, a
         load). Their blocks stay allocated for the next gathers. Waits for every copy that
         reads host shards, so the host may overwrite them when this returns.
 
-        ``keep_frozen`` leaves gathered frozen chunks gathered (an optimizer step cannot
-        change them, so the next pass need not gather them again)."""
+        Chunks in ``keep`` stay as they are, gathered or in flight: a frozen chunk, which
+        an optimizer step cannot change, or one gathered in place, whose parameters are
+        views of the very shard the step updates (``ElixirOptimizer.stays_gathered``)."""
         for chunk in self.chunks:
-            if keep_frozen and chunk.frozen:
+            if chunk.index in keep:
                 if chunk.state is ChunkState.GATHERED:
                     chunk.pins = 0
                 continue

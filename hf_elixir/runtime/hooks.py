@@ -6,7 +6,8 @@ For a module that owns chunked parameters:
 - post-forward: unpin; hook its grad-requiring outputs so its chunks are fetched again
   before autograd runs its backward (see ``hf_elixir.profile.grad_marks``: the model may modify
   both in place);
-- each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer.
+- each chunked parameter's post-accumulate-grad hook hands the gradient to the reducer
+  (or, where the parameter's ``.grad`` is its place in the gradient shard, notes it).
 At the end of every backward (an autograd engine callback) leftover pins are dropped and
 the remaining chunks are reduce-scattered. When every chunk is gathered in place (one rank,
 shards on the compute device: ``lean``), the input aliases and output hooks are not made,
@@ -210,6 +211,9 @@ class HookManager:
         if self.fault_check is not None:
             self.fault_check("backward")
         grad = param.grad
+        if index in self.reducer.grad_views:  # autograd added it into the gradient shard
+            self.reducer.grad_in_view(self.slots[index], grad)
+            return
         param.grad = None
         if grad is not None:
             self.reducer.on_grad(self.slot_chunk[index], self.slots[index], grad)

@@ -12,7 +12,7 @@ import atexit
 import contextlib
 import weakref
 import zlib
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any, Collection, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -126,6 +126,7 @@ class ElixirModule(nn.Module):
         prepare_packed_layers(model, self.device)
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
+        self._params = list(self.module.parameters())  # zero_grad's, without a walk of the modules
         self.slot_by_name = {s.name: s for s in self.slots}
         self._slot_of_param = {id(s.param): s for s in self.slots}
         self.cache = RCache(plan.rcache_blocks, agree=self._same_on_every_rank if self.comm.distributed else None)
@@ -164,8 +165,7 @@ class ElixirModule(nn.Module):
         return self.device if where == "device" else torch.device("cpu")
 
     def _move_untracked(self, sync: bool) -> None:
-        """Parameters that are not floating point (8-bit quantised storage, which no chunk
-        holds) and buffers stay whole on every rank."""
+        """Non-float parameters (8-bit storage, in no chunk) and buffers stay whole on every rank."""
         for p in self.module.parameters():
             if not p.is_floating_point() and not is_packed(p):
                 data = p.data.to(self.device)
@@ -336,16 +336,15 @@ class ElixirModule(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
-        """Accepted for API compatibility. Gradients are still reduce-scattered every
-        micro-batch: that is equivalent for the result and keeps only 1/W of the full
-        gradients in memory, instead of all of them until the last micro-batch."""
+        """Accepted for API compatibility. Gradients are still reduce-scattered every micro-batch:
+        the same result, with 1/W of the full gradients in memory, not all until the last."""
         yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Clear the gradient shards too: training loops that only call ``model.zero_grad()``
-        (the Transformers Trainer does) must not carry gradients into the next step."""
+        """Clear the gradient shards too: a loop calling only ``model.zero_grad()`` (the
+        Trainer) must not carry gradients into the next step."""
         start = self.clock.now()
-        super().zero_grad(set_to_none=set_to_none)
+        self.reducer.clear_grads(self._params, set_to_none)
         for chunk in self.chunks:
             # a chunk still updating on the host thread clears its own, right after
             if not self.host_updates.zero_after(chunk.index):
@@ -354,8 +353,8 @@ class ElixirModule(nn.Module):
         self.clock.host_phase("zero_grad", start)
 
     def drain(self) -> None:
-        """Wait for gathers still in flight (the prefetch started after each optimizer step).
-        A process that exits while a collective runs in the communication thread aborts
+        """Wait for gathers still in flight (the prefetch started after each optimizer step). A
+        process exiting while a collective runs in the communication thread aborts
         ("terminate called without an active exception"), so this runs at exit too."""
         self.host_updates.wait_all()
         for chunk in self.chunks:
@@ -376,13 +375,13 @@ class ElixirModule(nn.Module):
             self.disk.close()
         self.comm.close()
 
-    def release_all(self, keep_frozen: bool = False) -> None:
+    def release_all(self, keep: Collection[int] = ()) -> None:
         """Drop every gathered chunk (called before an optimizer step or a load changes the
-        shards), and every hold of a read outside the modules. ``keep_frozen``: frozen
-        chunks, which no step changes, stay gathered."""
+        shards), and every hold of a read outside the modules. Chunks in ``keep`` stay
+        gathered (``Fetcher.release_all``)."""
         self.host_updates.wait_all()  # an update still running may be writing the shards
         self.hooks.drop_holds()
-        self.fetcher.release_all(keep_frozen=keep_frozen)
+        self.fetcher.release_all(keep=keep)
 
     @contextlib.contextmanager
     def gathered_parameters(self, *params: nn.Parameter | str) -> Iterator[None]:
@@ -598,3 +597,4 @@ def _drain_at_exit(ref: "weakref.ReferenceType[ElixirModule]") -> None:
     module = ref()
     if module is not None:
         module.drain()
+

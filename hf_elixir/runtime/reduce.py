@@ -16,7 +16,9 @@ A chunk on the disk tier has no gradient shard in memory: its reduction adds int
 of the tier's gradient ring (``disk_grads.py``), written back to the file once added.
 
 At world size 1 with the gradient shard on the compute device there is nothing to reduce:
-gradients are added straight into the fp32 shard. With the optimizer state in host memory
+gradients are added straight into the fp32 shard. Where the parameter is fp32 too, its
+``.grad`` *is* its place in the shard (``use_grad_views``): autograd adds into it, as into
+any gradient a parameter already has, and nothing is copied. With the optimizer state in host memory
 behind a CUDA device, each reduced shard goes down asynchronously (compute dtype) into
 the chunk's pinned staging buffer, and the host waits once, at the end of backward,
 before adding them into the fp32 gradient shards.
@@ -82,6 +84,57 @@ class GradReducer:
         self.report = HEALTHY
         #: what the ranks agreed at the end of the latest backward (the maximum reported)
         self.agreed = HEALTHY
+        #: slot index -> that parameter's gradient as it lies in its chunk's gradient shard,
+        #: set as the parameter's ``.grad`` (``use_grad_views``)
+        self.grad_views: dict[int, torch.Tensor] = {}
+        self._viewed: set[int] = set()  # id() of those parameters
+
+    def use_grad_views(self, slots: Sequence[Slot], slot_chunk: Sequence[Chunk], exclude: frozenset[int]) -> None:
+        """Give every fp32 parameter of a chunk with direct gradients (one rank, gradient
+        shard on the compute device), except the chunks in ``exclude``, its place in the
+        gradient shard as its ``.grad``. Autograd then adds each gradient into the shard
+        itself, where the hook that copies it there cost a deep, narrow model a quarter of
+        its backward on a CPU. Excluded: chunks updated on the host thread behind the next
+        forward, whose update still reads the gradient shard when the next backward could
+        already write it (``on_grad`` waits for that update first)."""
+        for slot, chunk in zip(slots, slot_chunk):
+            if (chunk.frozen or chunk.disk or slot.packed or chunk.index in exclude or not chunk.direct_grads
+                    or slot.param.dtype != chunk.grad_shard.dtype):
+                continue
+            view = slot.view(chunk.grad_shard)
+            self.grad_views[slot.index] = view
+            self._viewed.add(id(slot.param))
+            slot.param.grad = view
+
+    def clear_grads(self, params: Sequence[torch.Tensor], set_to_none: bool) -> None:
+        """What ``nn.Module.zero_grad`` does to ``params``, except to a gradient that is a view
+        of its shard: that stays the parameter's ``.grad`` (the shard is zeroed instead)."""
+        viewed = self._viewed
+        for param in params:
+            grad = param.grad
+            if grad is None or id(param) in viewed:
+                continue
+            if set_to_none:
+                param.grad = None
+                continue
+            if grad.grad_fn is not None:
+                grad.detach_()
+            else:
+                grad.requires_grad_(False)
+            grad.zero_()
+
+    def grad_in_view(self, slot: Slot, grad: Optional[torch.Tensor]) -> None:
+        """A parameter whose ``.grad`` is its view (``use_grad_views``) has its gradient. When
+        autograd handed a new tensor instead, the parameter's ``.grad`` had been cleared
+        (which in PyTorch zeroes it) or the backward builds a graph (``create_graph``,
+        where autograd sums out of place): either way that tensor is the whole gradient,
+        so it replaces the view's contents and the view becomes ``.grad`` again."""
+        self._seen[slot.index] = 1
+        view = self.grad_views[slot.index]
+        if grad is not view:
+            if grad is not None:
+                view.copy_(grad)
+            slot.param.grad = view
 
     # ------------------------------------------------------------------ during backward
     def _settled(self, chunk: Chunk) -> None:

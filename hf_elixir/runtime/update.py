@@ -1,0 +1,58 @@
+"""One optimizer update over lists of views (of flat shards): PyTorch's own functional
+AdamW, Adam or SGD, with the fused kernel where the device has one, so the arithmetic is
+the user's optimizer's, bit for bit (``ElixirOptimizer`` decides what the lists hold)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.optim.adam import adam as functional_adam
+from torch.optim.adamw import adamw as functional_adamw
+from torch.optim.sgd import sgd as functional_sgd
+
+
+def _fused_ok(device: torch.device) -> bool:
+    return device.type in ("cpu", "cuda")
+
+
+def apply_update(algorithm: str, group: dict, device: torch.device, b: dict[str, list],
+                 momentum_started: set[int]) -> None:
+    """Update ``b["params"]`` from ``b["grads"]`` and the state lists by ``group``'s
+    hyperparameters. SGD's momentum buffers start from the first gradient, not from zeros:
+    ``momentum_started`` holds the slots whose buffer has a value (and gains those this
+    update starts)."""
+    fused = _fused_ok(device)
+    if algorithm in ("adamw", "adam"):
+        beta1, beta2 = group["betas"]
+        # functional adamw, not adam(decoupled_weight_decay=True): that argument only
+        # exists from torch 2.7, and the package accepts 2.4
+        update = functional_adamw if algorithm == "adamw" else functional_adam
+        update(
+            b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], [], b["steps"],
+            foreach=None if fused else True, fused=fused,
+            amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False),
+        )
+        return
+    momentum = group.get("momentum", 0.0)
+    bufs: list[Optional[torch.Tensor]] = []
+    if momentum:
+        for slot_idx, buf in zip(b["slots"], b["momentum_buffer"]):
+            # SGD starts the buffer at the first gradient; zero state would shrink it
+            bufs.append(buf if slot_idx in momentum_started else None)
+    else:
+        bufs = [None] * len(b["params"])
+    functional_sgd(
+        b["params"], b["grads"], bufs, foreach=False,
+        weight_decay=group["weight_decay"], momentum=momentum, lr=group["lr"],
+        dampening=group.get("dampening", 0.0), nesterov=group.get("nesterov", False),
+        maximize=group.get("maximize", False),
+    )
+    if momentum:
+        for slot_idx, new, flat_view in zip(b["slots"], bufs, b["momentum_buffer"]):
+            if slot_idx not in momentum_started:
+                flat_view.copy_(new)
+                momentum_started.add(slot_idx)
+    for step in b["steps"]:
+        step += 1
