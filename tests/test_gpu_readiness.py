@@ -441,7 +441,7 @@ def test_adamw_runs_without_adams_decoupled_weight_decay_argument(monkeypatch) -
     """torch.optim.adam.adam(decoupled_weight_decay=...) only exists from torch 2.7 and the
     package accepts 2.4, so the runtime must not pass it. The functional kernels are replaced
     by ones with the older signature."""
-    from hf_elixir.runtime import optim as optim_mod
+    from hf_elixir.runtime import update as update_mod
 
     def older(fn):
         @functools.wraps(fn)
@@ -451,7 +451,7 @@ def test_adamw_runs_without_adams_decoupled_weight_decay_argument(monkeypatch) -
             return fn(*args, **kwargs)
         return call
 
-    monkeypatch.setattr(optim_mod, "functional_adam", older(optim_mod.functional_adam))
-    monkeypatch.setattr(optim_mod, "functional_adamw", older(optim_mod.functional_adamw))
+    monkeypatch.setattr(update_mod, "functional_adam", older(update_mod.functional_adam))
+    monkeypatch.setattr(update_mod, "functional_adamw", older(update_mod.functional_adamw))
     got = elixir_run(0, 1, "llama", dict(chunk_size=4096), steps=2)
     assert_matches(reference_run("llama", steps=2), got, label="older adam signature")
