@@ -45,6 +45,8 @@ from typing import Callable, Optional
 import torch
 from torch.optim.adamw import adamw
 
+from hf_elixir.runtime.threads import usable_cores
+
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "host_optimizer.json"
 HYPER = dict(beta1=0.9, beta2=0.999, lr=1e-4, weight_decay=0.01, eps=1e-8)
@@ -203,9 +205,21 @@ def measure(threads: int, dtype: torch.dtype, args) -> dict:
     }
 
 
+def machine() -> dict:
+    """What the figures were measured on (also bench_resident.py's)."""
+    return {"cores": usable_cores(), "threads": torch.get_num_threads(), "platform": platform.platform(),
+            "processor": platform.processor(), "torch": torch.__version__, "python": sys.version.split()[0]}
+
+
+def write_results(path: Path, results: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    cores = usable_cores()
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}))
     p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
     p.add_argument("--width", type=int, default=1024)
@@ -227,13 +241,9 @@ def main() -> None:
                   f"{row['bound_params_per_s'] / 1e6:.0f} (stream {row['stream_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s); "
                   f"hf_elixir {row['hf_elixir_vs_bound']:.2f}x the bound, "
                   + ", ".join(f"{v:.2f}x {k}" for k, v in row["hf_elixir_vs"].items()), flush=True)
-    out = {"machine": {"cores": cores, "platform": platform.platform(), "processor": platform.processor(),
-                       "torch": torch.__version__, "python": sys.version.split()[0]},
-           "model": {"width": args.width, "layers": args.layers, "vocab": args.vocab}, "repeats": args.repeats,
-           "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, {"machine": machine(),
+                             "model": {"width": args.width, "layers": args.layers, "vocab": args.vocab},
+                             "repeats": args.repeats, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -24,9 +24,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -36,9 +33,10 @@ from typing import Callable
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
 import hf_elixir as hfe  # noqa: E402
+from bench_host_optimizer import machine, write_results  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results" / "bench_resident.json"
 PHASES = ("forward", "backward", "clip", "step", "zero_grad")
@@ -141,13 +139,7 @@ def main() -> None:
         print(f"{name}: plain {1e3 * row['plain']['step_s']:.1f} ms, hf_elixir "
               f"{1e3 * row['hf_elixir']['step_s']:.1f} ms, {row['ratio']:.3f}x (ms plain/hf_elixir: {phases})",
               flush=True)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    out = {"machine": {"cores": cores, "threads": torch.get_num_threads(), "platform": platform.platform(),
-                       "torch": torch.__version__, "python": sys.version.split()[0]},
-           "rows": rows}
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(out, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, {"machine": machine(), "rows": rows})
 
 
 if __name__ == "__main__":
