@@ -597,4 +597,3 @@ def _drain_at_exit(ref: "weakref.ReferenceType[ElixirModule]") -> None:
     module = ref()
     if module is not None:
         module.drain()
-
