@@ -211,8 +211,9 @@ class HookManager:
         if self.fault_check is not None:
             self.fault_check("backward")
         grad = param.grad
-        if index in self.reducer.grad_views:  # autograd added it into the gradient shard
-            self.reducer.grad_in_view(self.slots[index], grad)
+        view = self.reducer.grad_views.get(index)
+        if view is not None:  # autograd added it into the gradient shard
+            self.reducer.grad_in_view(self.slots[index], grad, view)
             return
         param.grad = None
         if grad is not None:

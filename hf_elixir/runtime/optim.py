@@ -102,10 +102,11 @@ class ElixirOptimizer(Optimizer):
         self.host_chunks = frozenset(i for i, c in enumerate(module.plan.chunks)
                                      if c.optim_placement in ("cpu", "disk") and not c.frozen)
         self.disk_chunks = frozenset(c.index for c in module.chunks if c.disk)
+        #: host-state chunks whose update runs behind the next forward, on the host thread
+        self.background_chunks = self.host_chunks if overlap_host else frozenset()
         self.stays_gathered = self._stays_gathered()
         self._build_state()
-        module.reducer.use_grad_views(module.slots, module.hooks.slot_chunk,
-                                      exclude=self.host_chunks if overlap_host else frozenset())
+        module.reducer.use_grad_views(module.slots, module.hooks.slot_chunk, exclude=self.background_chunks)
 
     def _stays_gathered(self) -> frozenset[int]:
         """Chunks a step leaves gathered. A frozen chunk cannot change. A chunk gathered in
@@ -114,9 +115,8 @@ class ElixirOptimizer(Optimizer):
         only cost time. Not kept: a chunk whose update runs behind the next forward (its
         reads must wait for it, and a released parameter's read is what waits) or goes up
         from a staging buffer (a gather is what waits for the upload)."""
-        background = self.host_chunks if self.overlap_host else frozenset()
-        return frozenset(c.index for c in self.module.chunks
-                         if c.frozen or (c.in_place and not c.uploads_from_staging and c.index not in background))
+        return frozenset(c.index for c in self.module.chunks if c.frozen or (
+            c.in_place and not c.uploads_from_staging and c.index not in self.background_chunks))
 
     # ------------------------------------------------------------------ state
     def _build_state(self) -> None:

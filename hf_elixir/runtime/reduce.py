@@ -123,14 +123,13 @@ class GradReducer:
                 grad.requires_grad_(False)
             grad.zero_()
 
-    def grad_in_view(self, slot: Slot, grad: Optional[torch.Tensor]) -> None:
+    def grad_in_view(self, slot: Slot, grad: Optional[torch.Tensor], view: torch.Tensor) -> None:
         """A parameter whose ``.grad`` is its view (``use_grad_views``) has its gradient. When
         autograd handed a new tensor instead, the parameter's ``.grad`` had been cleared
         (which in PyTorch zeroes it) or the backward builds a graph (``create_graph``,
         where autograd sums out of place): either way that tensor is the whole gradient,
         so it replaces the view's contents and the view becomes ``.grad`` again."""
         self._seen[slot.index] = 1
-        view = self.grad_views[slot.index]
         if grad is not view:
             if grad is not None:
                 view.copy_(grad)
