@@ -161,3 +161,66 @@ def test_sharded_chunks_keep_the_per_module_hooks() -> None:
     for lean, count, units in run_distributed(_two_ranks, 2):
         assert not lean
         assert count >= units  # every fetch unit's inputs or outputs are hooked
+
+
+def _unit_hooks(emodel) -> int:
+    """Forward hooks the runtime has on the model's fetch units (modules with chunks)."""
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in emodel.hooks.units)
+
+
+def test_a_resident_runtime_has_no_module_hooks_and_a_load_is_gathered_again() -> None:
+    """Everything resident (one rank, in place, no step releases a chunk): no per-module hook
+    is installed at all, and training is still plain PyTorch's. A load releases every chunk;
+    the next forward gathers them, and so does a submodule called on its own (no unit hook
+    would have)."""
+    model, reference, emodel, opt, plain_opt = _lean_runtime(seed=5)
+    batches = [make_batch(4, 16, seed=s) for s in range(2 * STEPS)]
+    assert emodel.hooks.resident and _unit_hooks(emodel) == 0
+    for ids in batches[:STEPS]:
+        opt.backward(emodel(input_ids=ids, labels=ids).loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    assert emodel.hooks.resident and _unit_hooks(emodel) == 0
+    plain_steps(reference, plain_opt, batches[:STEPS], clip=1.0)
+
+    emodel.load_state_dict(emodel.state_dict())  # what a checkpoint load does to the chunks
+    assert not any(c.state.name == "GATHERED" for c in emodel.chunks)
+    probe = batches[0][:, :4]
+    torch.testing.assert_close(model.model.embed_tokens(probe), reference.model.embed_tokens(probe),
+                               rtol=0, atol=1e-6)
+    for ids in batches[STEPS:]:
+        opt.backward(emodel(input_ids=ids, labels=ids).loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+    plain_steps(reference, plain_opt, batches[STEPS:], clip=1.0)
+    for (name, theirs), ours in zip(reference.named_parameters(), model.parameters()):
+        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-6, msg=name)
+    assert len(emodel.clock.steps()) == 2 * STEPS  # every backward's end was seen
+    emodel.close()
+
+
+def test_module_hooks_come_back_when_a_step_releases_chunks_or_faults_are_injected(monkeypatch) -> None:
+    """Chunks updated on the host thread behind the next forward are released by each step
+    (their reads wait for the update), and an injected fault fires from the module hooks: in
+    both cases the hooks are installed, from the next forward on."""
+    torch.manual_seed(0)
+    model = make_model("llama")
+    model.train()
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=1 << 14, offload_fraction=0.5))
+    assert emodel.hooks.resident and _unit_hooks(emodel) == 0
+    opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-3), overlap_host=True)
+    assert opt.background_chunks and not emodel.hooks.resident
+    assert _unit_hooks(emodel) == 2 * len(emodel.hooks.units)
+    ids = make_batch(4, 16)
+    opt.backward(emodel(input_ids=ids, labels=ids).loss)
+    opt.step()
+    emodel.close()
+
+    monkeypatch.setenv("ELIXIR_INJECT_OOM", "5:forward")
+    model = make_model("llama")
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=1 << 14))
+    assert emodel.hooks.lean and not emodel.hooks.resident
+    assert _unit_hooks(emodel) == 2 * len(emodel.hooks.units)
+    emodel.close()

@@ -12,7 +12,10 @@ At the end of every backward (an autograd engine callback) leftover pins are dro
 the remaining chunks are reduce-scattered. When every chunk is gathered in place (one rank,
 shards on the compute device: ``lean``), the input aliases and output hooks are not made,
 since no chunk can be evicted before its backward; the first module outputs that need a
-gradient in each forward queue the end-of-backward callback.
+gradient in each forward queue the end-of-backward callback. When, besides, no optimizer
+step releases a chunk (``resident``: plain PyTorch's case, everything fits on one device),
+the per-module hooks are not installed at all: the root's pre-forward gathers whatever a
+load released, and the model's non-scalar outputs queue the end-of-backward callback.
 
 Reads that no module hook sees (a fused loss reading ``lm_head.weight`` directly, a custom
 autograd function) reach ``read_released`` through the released parameter itself
@@ -33,9 +36,9 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from hf_elixir.profile.grad_marks import alias_inputs, on_output_grad
+from hf_elixir.profile.grad_marks import alias_inputs, grad_tensors, on_output_grad
 from hf_elixir.runtime.cache import RCache
-from hf_elixir.runtime.chunk import Chunk, Slot
+from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.reduce import GradReducer
 from hf_elixir.runtime.released import ReleasedParameterError, attach_reader, detach_reader, released_read_error
@@ -80,26 +83,62 @@ class HookManager:
     #: time; the outputs of one module a forward runs queue the end-of-backward callback
     lean: bool = False
     _end_hooked: bool = False  # lean: this forward's outputs already carry that hook
+    #: chunks an optimizer step releases (set by ``ElixirOptimizer``: those it does not
+    #: leave gathered); while any does, their next reads must go through the module hooks
+    released_by_steps: frozenset[int] = frozenset()
+    _unit_handles: list = field(default_factory=list)
+    _units_on: bool = False
+
+    @property
+    def resident(self) -> bool:
+        """Every chunk stays gathered in place from one forward to the next: ``lean``, no
+        optimizer step releases a chunk, no fault is injected. The module hooks would then
+        only look up chunks that are there (tens of microseconds a module, which on a GPU is
+        more than a small module's kernels), so they are not installed."""
+        return self.lean and self.fault_check is None and not self.released_by_steps
 
     # ------------------------------------------------------------------ install / remove
     def install(self) -> None:
         self.lean = all(chunk.in_place for chunk in self.slot_chunk)
         self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
         self.handles.append(self.root.register_forward_hook(self._root_post_forward, always_call=True))
-        for module, cids in self.units.items():
-            pre, post = self._make_pre_forward(cids)
-            self.handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        self.sync_units()
         manager = weakref.ref(self)  # the reader lives on the parameter: no strong cycle
         for slot, chunk in zip(self.slots, self.slot_chunk):
             if not chunk.frozen:
                 self.handles.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot, chunk)))
             attach_reader(slot.param, slot.name, slot.shape, _make_reader(manager, slot.name, chunk.index))
 
+    def sync_units(self) -> None:
+        """Install the per-module hooks, or take them off, as ``resident`` now says (an
+        optimizer, a fault injector may arrive after the first forward)."""
+        if self._units_on == (not self.resident):
+            return
+        if self._units_on:
+            for h in self._unit_handles:
+                h.remove()
+            self._unit_handles.clear()
+        else:
+            for module, cids in self.units.items():
+                pre, post = self._make_pre_forward(cids)
+                self._unit_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                self._unit_handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
+        self._units_on = not self._units_on
+
+    def _gather_released(self) -> None:
+        """``resident``: gather every chunk a load or a recovery released. In place, at one
+        rank, that moves nothing and is no collective: each parameter gets its view back."""
+        released = [c.index for c in self.fetcher.chunks if c.state is not ChunkState.GATHERED]
+        if released:
+            self.fetcher.fetch(released)
+            self.fetcher.unpin(released)
+
     def remove(self) -> None:
-        for h in self.handles:
+        for h in self.handles + self._unit_handles:
             h.remove()
         self.handles.clear()
+        self._unit_handles.clear()
+        self._units_on = False
         for slot in self.slots:
             detach_reader(slot.param)
 
@@ -108,7 +147,12 @@ class HookManager:
         """A released parameter of chunk ``cid`` is being read outside its modules' hooks."""
         backward = in_backward()
         if not (self._forward_depth or backward or self._gathering_context):
-            raise released_read_error(name)
+            if not self.resident:
+                raise released_read_error(name)
+            # a submodule called on its own after a load: no unit hook gathered it, and at
+            # one rank in place a gather is no collective, so any code may make it
+            self._gather_released()
+            return
         if backward:
             self._ensure_end_callback()
         self.fetcher.fetch([cid])
@@ -131,14 +175,26 @@ class HookManager:
         if not in_backward():
             if self._callback_queued:  # the last backward raised before it finished
                 self._abandon_backward()
+            self.sync_units()
             self.cache.begin_pass(record=torch.is_grad_enabled() and module.training)
             self._end_hooked = False
+            if not self._units_on:
+                self._gather_released()
         self._forward_depth += 1
 
     def _root_post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         self._forward_depth -= 1
-        if not self._forward_depth and not torch.is_grad_enabled() and not in_backward():
+        if self._forward_depth or in_backward():
+            return
+        if not torch.is_grad_enabled():
             self.drop_holds()  # no graph saved a view of them: nothing to keep for
+        elif not self._units_on:
+            # Without module hooks, the model's outputs queue the end-of-backward callback,
+            # from the outermost backward even when checkpointed layers run their own
+            # (reentrant) backward inside it. Not a scalar: recovery differentiates the
+            # user's loss by the model's loss (link_loss), which must not end a backward.
+            outputs = [t for t in grad_tensors(output, []) if t.dim() > 0]
+            on_output_grad(outputs, self._ensure_end_callback)
 
     def _make_pre_forward(self, cids: list[int]):
         stack: list[_Call] = []  # calls of this module still inside their forward

@@ -153,6 +153,7 @@ class ElixirModule(nn.Module):
         self.recovery = Recovery(self, replanner=replanner, enabled=recover_oom)
         # injected failures fire with or without recovery (an opt-out run must fail as one)
         self.hooks.fault_check = self.recovery.check if self.recovery.injector is not None else None
+        self.hooks.sync_units()  # an injected fault fires from the module hooks
         # without recovery, no collective is recorded for it and no backward ends in it
         self.comm.recording = recover_oom
         if recover_oom:

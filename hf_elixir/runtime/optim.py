@@ -15,6 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
+from hf_elixir.runtime.batches import UpdateBatches
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime import grad_shards
 from hf_elixir.runtime.disk_tier import batch_views, clear_grad, open_chunk
@@ -105,6 +106,9 @@ class ElixirOptimizer(Optimizer):
         #: host-state chunks whose update runs behind the next forward, on the host thread
         self.background_chunks = self.host_chunks if overlap_host else frozenset()
         self.stays_gathered = self._stays_gathered()
+        # while a step releases any chunk, the module hooks gather it again (hooks.resident)
+        module.hooks.released_by_steps = frozenset(range(len(module.chunks))) - self.stays_gathered
+        module.hooks.sync_units()
         self._build_state()
         module.reducer.use_grad_views(module.slots, module.hooks.slot_chunk, exclude=self.background_chunks)
 
@@ -138,8 +142,9 @@ class ElixirOptimizer(Optimizer):
             for slot, _, _, _ in chunk.local_slices():
                 self.steps[slot.index] = torch.zeros((), dtype=torch.float32, device=chunk.optim_device)
         self._momentum_started: set[int] = set()
-        #: (which slots were active, their batches): see ``_batches``
-        self._batch_cache: Optional[tuple[bytes, dict[tuple, dict[str, list]]]] = None
+        #: each step's update calls, with their views (runtime/batches.py)
+        self.batching = UpdateBatches(self.module.chunks, self.flat_state, self.steps, self.group_of_slot,
+                                      self.host_chunks, merge=self.algorithm != "sgd")
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
         if chunk.disk:  # in the disk tier's files; in memory a stand-in that cannot be used
@@ -320,7 +325,7 @@ class ElixirOptimizer(Optimizer):
                     if name == "momentum_buffer":
                         self._momentum_started.add(slot.index)
             if slot.index in self.steps:
-                self.steps[slot.index].fill_(float(entry.get("step", 0.0)))
+                self.batching.set_step(slot.index, float(entry.get("step", 0.0)))
 
     # ------------------------------------------------------------------ step
     def momentum_started(self, slot: int) -> bool:
@@ -380,7 +385,7 @@ class ElixirOptimizer(Optimizer):
         readers_done = None
         if self.module.copy_stream is not None:  # uploads may start once this much has run
             readers_done = torch.cuda.current_stream(self.module.device).record_event()
-        batches = self._batches(active)
+        batches = self.batching.get(active)
         # device shards first (asynchronous on a GPU, they run while the CPU works), then
         # the host's, staged chunks in index order (the next forward needs the first first)
         order = sorted(batches, key=lambda k: (k[2].type == "cpu", k[0]))
@@ -403,47 +408,6 @@ class ElixirOptimizer(Optimizer):
         clock.charge_rest("optimizer_other", entered)
         clock.end_step(self.module.host_updates.take_seconds())
         return loss
-
-    def _batches(self, active: torch.Tensor) -> dict[tuple, dict[str, list]]:
-        """This step's updates grouped into one optimizer call each: the views of the
-        gradient, master and state of every slot with a gradient, by (chunk it must be
-        updated alone with, or -1; parameter group; device of its state).
-
-        The views are of tensors that live as long as the optimizer (a re-plan moves no
-        shard), so the batches of the last step are used again when the same parameters
-        had gradients: building a few thousand views in Python cost a deep, narrow model
-        more than its update (18 ms a step for 48 layers of width 64 on a CPU)."""
-        pattern = active.numpy().tobytes()
-        if self._batch_cache is not None and self._batch_cache[0] == pattern:
-            return self._batch_cache[1]
-        batches = self._build_batches(active)
-        self._batch_cache = (pattern, batches)
-        return batches
-
-    def _build_batches(self, active: torch.Tensor) -> dict[tuple, dict[str, list]]:
-        batches: dict[tuple, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-        active = active.tolist()  # a list's items are read in nanoseconds, a tensor's in microseconds
-        for chunk, state in zip(self.module.chunks, self.flat_state):
-            if chunk.frozen:
-                continue
-            # a chunk whose state is on the host is updated on its own: behind the next
-            # forward, or (a staged chunk, CUDA device) so that its upload overlaps the
-            # update of the next one
-            key_chunk = chunk.index if chunk.uploads_from_staging or chunk.index in self.host_chunks else -1
-            for slot, begin, end, _ in chunk.local_slices():
-                if not active[slot.index] or slot.index not in self.group_of_slot:
-                    continue
-                b = batches[(key_chunk, self.group_of_slot[slot.index], chunk.optim_device)]
-                b["grads"].append(chunk.grad_shard[begin:end])
-                b["steps"].append(self.steps[slot.index])
-                b["slots"].append(slot.index)
-                if chunk.disk:  # master and state views are taken once its planes are read
-                    b["ranges"].append((begin, end))
-                    continue
-                b["params"].append(chunk.master[begin:end])
-                for name, flat in state.items():
-                    b[name].append(flat[begin:end])
-        return batches
 
     def _update_all(self, order: list[tuple], batches: dict[tuple, dict[str, list]],
                     readers_done: Optional[torch.cuda.Event]) -> None:

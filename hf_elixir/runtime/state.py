@@ -215,5 +215,5 @@ def write_counters(eoptimizer: ElixirOptimizer, counters: OptimizerCounters) -> 
     """Set the counters of the parameters this rank holds; a parameter not named starts afresh."""
     eoptimizer.module.host_updates.wait_all()
     for name, index in _local_trainable(eoptimizer):
-        eoptimizer.steps[index].fill_(counters.steps.get(name, 0.0))
+        eoptimizer.batching.set_step(index, counters.steps.get(name, 0.0))
         eoptimizer.set_momentum_started(index, name in counters.momentum_started)
