@@ -168,6 +168,13 @@ def _unit_hooks(emodel) -> int:
     return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in emodel.hooks.units)
 
 
+def _grad_hooks(emodel) -> int:
+    """Parameters carrying a post-accumulate-grad hook (read past a released parameter's
+    interception of everything it is asked)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return sum(bool(getattr(s.param, "_post_accumulate_grad_hooks", None)) for s in emodel.slots)
+
+
 def test_a_resident_runtime_has_no_module_hooks_and_a_load_is_gathered_again() -> None:
     """Everything resident (one rank, in place, no step releases a chunk): no per-module hook
     is installed at all, and training is still plain PyTorch's. A load releases every chunk;
@@ -176,6 +183,9 @@ def test_a_resident_runtime_has_no_module_hooks_and_a_load_is_gathered_again() -
     model, reference, emodel, opt, plain_opt = _lean_runtime(seed=5)
     batches = [make_batch(4, 16, seed=s) for s in range(2 * STEPS)]
     assert emodel.hooks.resident and _unit_hooks(emodel) == 0
+    # nor a hook per parameter: each .grad is its place in the shard, and the end of each
+    # backward notes which of them autograd added into (their version counters)
+    assert _grad_hooks(emodel) == 0 and emodel.reducer.collecting
     for ids in batches[:STEPS]:
         opt.backward(emodel(input_ids=ids, labels=ids).loss)
         opt.clip_grad_norm_(1.0)
@@ -213,6 +223,7 @@ def test_module_hooks_come_back_when_a_step_releases_chunks_or_faults_are_inject
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-3), overlap_host=True)
     assert opt.background_chunks and not emodel.hooks.resident
     assert _unit_hooks(emodel) == 2 * len(emodel.hooks.units)
+    assert _grad_hooks(emodel) == len(emodel.slots) and not emodel.reducer.collecting
     ids = make_batch(4, 16)
     opt.backward(emodel(input_ids=ids, labels=ids).loss)
     opt.step()

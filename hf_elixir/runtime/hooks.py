@@ -88,6 +88,9 @@ class HookManager:
     released_by_steps: frozenset[int] = frozenset()
     _unit_handles: list = field(default_factory=list)
     _units_on: bool = False
+    #: slot index -> its post-accumulate-grad hook, for each trainable parameter that has one
+    _grad_handles: dict = field(default_factory=dict)
+    _grad_hooks_key: Optional[tuple] = None
 
     @property
     def resident(self) -> bool:
@@ -102,16 +105,17 @@ class HookManager:
         self.lean = all(chunk.in_place for chunk in self.slot_chunk)
         self.handles.append(self.root.register_forward_pre_hook(self._root_pre_forward))
         self.handles.append(self.root.register_forward_hook(self._root_post_forward, always_call=True))
-        self.sync_units()
         manager = weakref.ref(self)  # the reader lives on the parameter: no strong cycle
         for slot, chunk in zip(self.slots, self.slot_chunk):
-            if not chunk.frozen:
-                self.handles.append(slot.param.register_post_accumulate_grad_hook(self._make_grad_hook(slot, chunk)))
             attach_reader(slot.param, slot.name, slot.shape, _make_reader(manager, slot.name, chunk.index))
+        self.sync_units()
 
     def sync_units(self) -> None:
         """Install the per-module hooks, or take them off, as ``resident`` now says (an
-        optimizer, a fault injector may arrive after the first forward)."""
+        optimizer, a fault injector may arrive after the first forward). So too the hooks
+        of parameters whose ``.grad`` is their place in the gradient shard: resident, the
+        reducer notes their gradients at the end of each backward (``collect_views``)."""
+        self._sync_grad_hooks()
         if self._units_on == (not self.resident):
             return
         if self._units_on:
@@ -125,6 +129,25 @@ class HookManager:
                 self._unit_handles.append(module.register_forward_hook(post, with_kwargs=True, always_call=True))
         self._units_on = not self._units_on
 
+    def _sync_grad_hooks(self) -> None:
+        collect = self.resident and bool(self.reducer.grad_views)
+        key = (collect, len(self.reducer.grad_views))
+        if key == self._grad_hooks_key:  # every root forward asks: answer at once
+            return
+        self._grad_hooks_key = key
+        if collect != self.reducer.collecting:
+            self.reducer.collect_views()  # what arrived under the old way is noted first
+            self.reducer.start_collecting(collect)
+        for slot, chunk in zip(self.slots, self.slot_chunk):
+            want = not chunk.frozen and not (collect and slot.index in self.reducer.grad_views)
+            handle = self._grad_handles.get(slot.index)
+            if want and handle is None:
+                self._grad_handles[slot.index] = slot.param.register_post_accumulate_grad_hook(
+                    self._make_grad_hook(slot, chunk))
+            elif not want and handle is not None:
+                handle.remove()
+                del self._grad_handles[slot.index]
+
     def _gather_released(self) -> None:
         """``resident``: gather every chunk a load or a recovery released. In place, at one
         rank, that moves nothing and is no collective: each parameter gets its view back."""
@@ -134,10 +157,12 @@ class HookManager:
             self.fetcher.unpin(released)
 
     def remove(self) -> None:
-        for h in self.handles + self._unit_handles:
+        self._grad_hooks_key = None
+        for h in self.handles + self._unit_handles + list(self._grad_handles.values()):
             h.remove()
         self.handles.clear()
         self._unit_handles.clear()
+        self._grad_handles.clear()
         self._units_on = False
         for slot in self.slots:
             detach_reader(slot.param)
@@ -291,6 +316,7 @@ class HookManager:
 
     def _end_backward(self) -> None:
         self._callback_queued = False
+        self.reducer.collect_views()
         for call in self._open_calls:
             self._post_backward(call)
         self._open_calls.clear()

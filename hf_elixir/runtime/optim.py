@@ -108,9 +108,9 @@ class ElixirOptimizer(Optimizer):
         self.stays_gathered = self._stays_gathered()
         # while a step releases any chunk, the module hooks gather it again (hooks.resident)
         module.hooks.released_by_steps = frozenset(range(len(module.chunks))) - self.stays_gathered
-        module.hooks.sync_units()
         self._build_state()
         module.reducer.use_grad_views(module.slots, module.hooks.slot_chunk, exclude=self.background_chunks)
+        module.hooks.sync_units()
 
     def _stays_gathered(self) -> frozenset[int]:
         """Chunks a step leaves gathered. A frozen chunk cannot change. A chunk gathered in
@@ -208,6 +208,7 @@ class ElixirOptimizer(Optimizer):
         clock = self.module.clock
         start = clock.now()
         self.module.host_updates.wait_all()  # every gradient shard is read
+        self.module.reducer.collect_views()  # a backward whose end no hook saw
         total = self._clip(max_norm, norm_type)
         clock.host_phase("clip", start)
         return total
@@ -354,6 +355,7 @@ class ElixirOptimizer(Optimizer):
         recovery = self.module.recovery
         start = clock.now()
         self.module.host_updates.wait_all()  # the last step's, if a step follows a step at once
+        self.module.reducer.collect_views()  # a backward whose end no hook saw
         active, failed = self.module.reducer.global_seen(failed=recovery.step_failed)
         clock.host_phase("optimizer_other", start)
         while failed:  # a rank ran out of memory in this step: re-plan, redo, then update

@@ -18,7 +18,9 @@ of the tier's gradient ring (``disk_grads.py``), written back to the file once a
 At world size 1 with the gradient shard on the compute device there is nothing to reduce:
 gradients are added straight into the fp32 shard. Where the parameter is fp32 too, its
 ``.grad`` *is* its place in the shard (``use_grad_views``): autograd adds into it, as into
-any gradient a parameter already has, and nothing is copied. With the optimizer state in host memory
+any gradient a parameter already has, and nothing is copied; in a resident runtime no hook
+sees it arrive, and ``collect_views`` notes it by its version counter. With the optimizer
+state in host memory
 behind a CUDA device, each reduced shard goes down asynchronously (compute dtype) into
 the chunk's pinned staging buffer, and the host waits once, at the end of backward,
 before adding them into the fp32 gradient shards.
@@ -88,6 +90,12 @@ class GradReducer:
         #: set as the parameter's ``.grad`` (``use_grad_views``)
         self.grad_views: dict[int, torch.Tensor] = {}
         self._viewed: set[int] = set()  # id() of those parameters
+        #: (slot index, parameter, its gradient in the shard) for each of them
+        self._view_params: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        #: no hook sees those gradients arrive (``collect_views`` notes them instead), and
+        #: each one's version counter when it was last looked at
+        self.collecting = False
+        self._versions: dict[int, int] = {}
 
     def use_grad_views(self, slots: Sequence[Slot], slot_chunk: Sequence[Chunk], exclude: frozenset[int]) -> None:
         """Give every fp32 parameter of a chunk with direct gradients (one rank, gradient
@@ -101,10 +109,41 @@ class GradReducer:
             if (chunk.frozen or chunk.disk or slot.packed or chunk.index in exclude or not chunk.direct_grads
                     or slot.param.dtype != chunk.grad_shard.dtype):
                 continue
-            view = slot.view(chunk.grad_shard)
+            view = _alias(chunk.grad_shard, slot.offset, slot.shape)
             self.grad_views[slot.index] = view
             self._viewed.add(id(slot.param))
+            self._view_params.append((slot.index, slot.param, view))
             slot.param.grad = view
+
+    def collect_views(self) -> None:
+        """Note which parameters with a gradient in the shard received one, where no hook
+        told (``collecting``: the resident runtime takes those hooks off). Autograd's
+        in-place add bumps the version counter of the tensor it adds into, and each
+        parameter's place in the shard is a tensor of its own (``_alias``), so a changed
+        counter is a gradient. A new tensor in ``.grad`` (the model's own ``zero_grad()``
+        then a backward, ``create_graph``) replaces the place's contents as in
+        ``grad_in_view``; ``None`` (a ``zero_grad()`` with no backward since) zeroes it.
+        Runs at the end of every backward and before the optimizer reads the shards."""
+        if not self.collecting:
+            return
+        versions, seen = self._versions, self._seen
+        for index, param, view in self._view_params:
+            grad = param.grad
+            if grad is not view:
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+                    seen[index] = 1
+                param.grad = view
+            elif view._version != versions.get(index):
+                seen[index] = 1
+            versions[index] = view._version
+
+    def start_collecting(self, on: bool) -> None:
+        """Whether ``collect_views`` notes the gradients (no hook does); counted from now."""
+        self.collecting = on
+        self._versions = {index: view._version for index, _, view in self._view_params}
 
     def clear_grads(self, params: Sequence[torch.Tensor], set_to_none: bool) -> None:
         """What ``nn.Module.zero_grad`` does to ``params``, except to a gradient that is a view
@@ -312,3 +351,12 @@ class GradReducer:
 
     def clear_seen(self) -> None:
         self.seen.zero_()
+
+
+def _alias(flat: torch.Tensor, offset: int, shape: torch.Size) -> torch.Tensor:
+    """``flat[offset:offset + n]`` at ``shape``, as a tensor of its own over the same memory,
+    not a view: a view shares its base's version counter, this has its own, so autograd
+    adding a gradient into it marks this parameter alone (``collect_views``)."""
+    alias = torch.empty(0, dtype=flat.dtype, device=flat.device)
+    return alias.set_(flat.untyped_storage(), flat.storage_offset() + offset, shape,
+                      torch.empty(shape, device="meta").stride())
