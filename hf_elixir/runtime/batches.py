@@ -85,10 +85,10 @@ class UpdateBatches:
                     b[name].append(flat[begin:end])
         return batches
 
-    def _runs(self, chunk: Chunk, key_chunk: int, active: list) -> list[tuple[tuple, int, int, list[int]]]:
-        """The chunk shard's parameters with a gradient, as (batch key, begin, end, slots):
+    def _runs(self, chunk: Chunk, key_chunk: int, active: list) -> list[list]:
+        """The chunk shard's parameters with a gradient, as [batch key, begin, end, slots]:
         neighbours with one key and one step count are one run when ``merge``."""
-        runs: list[tuple[tuple, int, int, list[int]]] = []
+        runs: list[list] = []
         last_step: Optional[float] = None  # the previous parameter's, if it is in a run
         for slot, begin, end, _ in chunk.local_slices():  # in offset order
             group = self.group_of_slot.get(slot.index)
@@ -98,10 +98,10 @@ class UpdateBatches:
             key = (key_chunk, group, chunk.optim_device)
             step = float(self.steps[slot.index]) if self.merge else None
             if self.merge and runs and last_step == step and runs[-1][0] == key:
-                _, run_begin, _, slots = runs[-1]
-                runs[-1] = (key, run_begin, end, slots + [slot.index])
+                runs[-1][2] = end  # the run reaches to this parameter's end
+                runs[-1][3].append(slot.index)
             else:
-                runs.append((key, begin, end, [slot.index]))
+                runs.append([key, begin, end, [slot.index]])
             last_step = step
         return runs
 
