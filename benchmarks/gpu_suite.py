@@ -15,13 +15,16 @@ so a stuck job cannot eat the time of the sections after it):
    out-of-memory error is recorded as a result.
 3. mfu: the same model without a cap (it fits): hf_elixir's model FLOPs utilisation next
    to FSDP2's.
-4. scale: the largest Llama-style model hf_elixir takes one step on under the 24 GiB cap,
+4. scale: the largest Llama-style model hf_elixir trains under the 24 GiB cap at a batch
+   that makes offload worthwhile (8 x 1024; where it does not fit, as the planner's largest
+   micro-batch that does, accumulated to the same batch), 1 warm-up and 2 timed steps,
    trying 7B, then 13B (planned from the config first: a plan that cannot fit the
    machine's host memory is refused in seconds, not after minutes of loading).
-5. recovery: the section-2 model trained 3 steps, then squeezed (allocations capped at 80%
-   of the peak those steps reached) for 3 more: whether the runtime recovers from the
-   out-of-memory errors that follow (docs/recovery.md), what it changed, how long the
-   recovering step took and the throughput after it. A dry run injects the error instead.
+5. recovery: the section-2 model trained 3 steps, then squeezed until a step really runs
+   out of memory (allocations capped at 80%, 65%, 50%, then 40% of the peak those steps
+   reached, one step at each), then 2 more steps at that cap: whether the runtime recovers
+   from the errors (docs/recovery.md), what it changed, how long the recovering step took
+   and the throughput after it. A dry run injects the error at the first cap instead.
 6. disk_tier: ``benchmarks/bench_disk_tier.py`` on the device (issue 38): a 24-layer,
    1024-wide model (25M parameters, 12 chunks) trained 2 + 4 steps with half of the
    trainable chunks' optimizer state on the disk tier and, in fresh processes, all of it on
@@ -64,7 +67,10 @@ GPU_SETTINGS = {
     "budget_s": 480, "device": "cuda", "cap_bytes": 24 * GiB,
     "gpt2": GPT2_XL, "batch": 8, "seq": 1024, "dtype": "bf16",
     "scale": [{"name": "llama-2-7b", "known": "llama-2-7b"}, {"name": "llama-2-13b", "known": "llama-2-13b"}],
-    "scale_batch": 1, "scale_seq": 1024,
+    # a batch at which offload is worth its traffic; run as micro-batches where it does not fit
+    "scale_batch": 8, "scale_seq": 1024, "scale_warmup": 1, "scale_steps": 2,
+    # the recovery section's caps, as fractions of the warm-up peak, until a step fails
+    "squeeze": [0.8, 0.65, 0.5, 0.4],
     # per job: (the most seconds it may take, the least worth starting it with); the
     # deadline keeps the least of every later job in reserve
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
@@ -83,9 +89,13 @@ TINY_LLAMA = dict(TINY, num_hidden_layers=2, num_attention_heads=4, num_key_valu
 DRY_SETTINGS = {
     "budget_s": 420, "device": "cpu", "cap_bytes": None,
     "gpt2": TINY_GPT2, "batch": 2, "seq": 32, "dtype": "bf16",
-    "scale": [{"name": "llama-tiny-64", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=64, intermediate_size=128)},
+    # the first under a budget its batch of 8 does not fit (about a quarter of its unsplit
+    # plan's peak): the planner's largest micro-batch that fits, as on the GPU
+    "scale": [{"name": "llama-tiny-64", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=64, intermediate_size=128),
+               "cap_bytes": 1_500_000},
               {"name": "llama-tiny-128", "family": "llama", "kwargs": dict(TINY_LLAMA, hidden_size=128, intermediate_size=256)}],
-    "scale_batch": 1, "scale_seq": 32,
+    "scale_batch": 8, "scale_seq": 32, "scale_warmup": 0, "scale_steps": 1,
+    "squeeze": [0.8, 0.65],
     "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
                  "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20),
                  "disk_tier": (120, 20)},
@@ -195,7 +205,8 @@ def section_scale(runner: Runner, s: dict) -> dict:
     tried = []
     for spec in s["scale"]:
         job = train_job(s, "hf_elixir", model=spec, batch=s["scale_batch"], seq=s["scale_seq"],
-                        warmup=0, steps=1, model_dtype="bf16")
+                        warmup=s["scale_warmup"], steps=s["scale_steps"], model_dtype="bf16", split_batches=True,
+                        cap_bytes=spec.get("cap_bytes", s["cap_bytes"]))
         result = runner.run(job, s["timeouts"]["scale"], _least(s, "recovery", "disk_tier"))
         tried.append({"model": spec["name"], **result})
         if result.get("status") != "ok":
@@ -205,7 +216,7 @@ def section_scale(runner: Runner, s: dict) -> dict:
 
 
 def section_recovery(runner: Runner, s: dict) -> dict:
-    job = train_job(s, "hf_elixir", job="recovery", warmup=3, steps=3, squeeze=0.8)
+    job = train_job(s, "hf_elixir", job="recovery", warmup=3, steps=3, squeeze=s["squeeze"])
     return runner.run(job, s["timeouts"]["recovery"], _least(s, "disk_tier"))
 
 
@@ -267,6 +278,7 @@ def summary_lines(results: dict) -> list[str]:
     for r in results.get("scale", {}).get("tried", []):
         plan = r.get("plan") or {}
         note = (f"offload {plan.get('offload_fraction', 0):.0%}, params on host {plan.get('param_offload', 0)} chunks"
+                + (f", {plan['micro_batch_split']} micro-batches" if plan.get("micro_batch_split", 1) > 1 else "")
                 if r.get("status") == "ok" else r.get("error", ""))
         lines.append(f"{'scale':12s} {str(r['model'])[:18]:18s} {r.get('status', ''):8s} {r.get('tokens_per_s', 0):9.0f} "
                      f"{r.get('median_step_s', 0):7.3f} {_gib(r.get('max_memory_allocated')):>8s}  {note[:60]}")
@@ -274,9 +286,11 @@ def summary_lines(results: dict) -> list[str]:
     if r:
         events = r.get("events") or []
         changes = ", ".join(e["change"] for e in events if e.get("change")) or r.get("error", "")[:60]
+        caps = "/".join(f"{q['fraction_of_peak']:.0%}" for q in r.get("squeezes") or [])
         lines.append(f"{'recovery':12s} {'hf_elixir':18s} {r.get('status', ''):8s} "
                      f"{r.get('tokens_per_s_after') or 0:9.0f} {r.get('recovery_step_s') or 0:7.3f} "
-                     f"{_gib(r.get('squeezed_to_bytes')):>8s}  {len(events)} failure(s); {changes[:50]}")
+                     f"{_gib(r.get('squeezed_to_bytes')):>8s}  caps {caps or '-'} of the peak: "
+                     f"{len(events)} failure(s); {changes[:40]}")
     r = results.get("disk_tier", {})
     if r:
         if r.get("status") in ("ok", "failed"):

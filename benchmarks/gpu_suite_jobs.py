@@ -150,7 +150,26 @@ def setup_hf_elixir(model, job: dict, device: torch.device) -> tuple[Callable, d
         return {"memory_report": {k: report[k] for k in ("peak", "peak_total", "current_total")},
                 "cache_stats": report["cache_stats"], "time_report": em.time_report()}
 
-    return elixir_step(em, opt), {"optimizer": "ElixirOptimizer (torch AdamW kernels)", "info": info}
+    step = elixir_step(em, opt) if plan.micro_batch_split == 1 else accumulating_step(em, opt, plan.micro_batch_split)
+    return step, {"optimizer": "ElixirOptimizer (torch AdamW kernels)", "info": info}
+
+
+def accumulating_step(em, opt, split: int) -> Callable:
+    """One optimizer step over a batch run as ``split`` micro-batches (the plan's split):
+    each micro-batch's mean loss divided by ``split``, so the gradient is the batch's."""
+
+    def step(ids):
+        total = 0.0
+        for part in ids.chunk(split):
+            loss = em(input_ids=part, labels=part).loss
+            opt.backward(loss / split)
+            total = total + loss.detach()
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        return total / split
+
+    return step
 
 
 def setup_fsdp2(model, job: dict, device: torch.device) -> tuple[Callable, dict]:
@@ -250,13 +269,33 @@ def job_params(cfg) -> int:
 
 def plan_for(job: dict, device: torch.device):
     """hf_elixir's plan for this job, from the config alone (fails fast, before any memory
-    is touched, when nothing fits)."""
+    is touched, when nothing fits). With ``split_batches`` a batch that does not fit runs as
+    micro-batches: the largest that divides it and fits, as the Trainer's
+    ``auto_find_batch_size`` does (``plan_split``), so the tokens of a step stay the job's."""
     import hf_elixir as hfe
+    from hf_elixir.integrations.planning import plan_split
 
     hw = hfe.HardwareProfile.detect()
     budget = job.get("cap_bytes") or None
-    return hfe.plan(make_config(job["model"]), (job["batch"], job["seq"]), hardware=hw, world_size=1,
-                    dtype=job["dtype"], memory_budget=budget), hw
+    cfg = make_config(job["model"])
+
+    def searched(shape: tuple[int, int]):
+        return hfe.plan(cfg, shape, hardware=hw, world_size=1, dtype=job["dtype"], memory_budget=budget)
+
+    try:
+        return searched((job["batch"], job["seq"])), hw
+    except hfe.PlanError as error:
+        if not job.get("split_batches"):
+            raise
+        return plan_split(searched, (job["batch"], job["seq"]), error), hw
+
+
+def predicted_batch_step(plan) -> float:
+    """The plan's step time for a whole batch: its prediction is for one micro-batch's step,
+    and each further micro-batch adds one more forward and backward (the optimizer steps
+    once), as the planner prices a split (``planner/levers.split_priced``)."""
+    time = plan.predictions.get("time", {})
+    return plan.predictions["step_time_s"] + (plan.micro_batch_split - 1) * time.get("forward_backward", 0.0)
 
 
 def run_train(job: dict) -> dict:
@@ -275,7 +314,8 @@ def run_train(job: dict) -> dict:
         preds = job["_plan"].predictions
         out["plan"] = {"seconds": time.perf_counter() - t0, "summary": job["_plan"].summary(),
                        "predicted_peak_bytes": preds.get("peak_bytes"),
-                       "predicted_step_s": preds.get("step_time_s"),
+                       "predicted_step_s": predicted_batch_step(job["_plan"]),
+                       "micro_batch_split": job["_plan"].micro_batch_split,
                        "n_chunks": job["_plan"].n_chunks, "chunk_size": job["_plan"].chunk_size,
                        "offload_fraction": job["_plan"].offload_fraction(),
                        "param_offload": sum(c.param_placement == "cpu" for c in job["_plan"].chunks),
@@ -325,10 +365,13 @@ def run_train(job: dict) -> dict:
 
 def run_recovery(job: dict) -> dict:
     """Out-of-memory recovery on the device: train ``warmup`` steps with the planned plan,
-    then take memory away (``squeeze``: cap allocations at that fraction of the peak those
-    steps reached; on a CPU, where no cap exists, an injected error at the next step stands
-    in for it) and train ``steps`` more. Records what failed, what the runtime changed, the
-    wall time of the step that recovered, and the throughput before and after."""
+    then take memory away until a step really fails: cap allocations at each fraction of
+    ``squeeze`` in turn (of the peak the warm-up steps reached), one step at each, and stop
+    at the first step that ran out of memory and recovered (or could not). On a CPU, where
+    no cap exists, an injected error at the first squeezed step stands in for it. Then
+    ``steps - 1`` more steps at that cap. Records each cap tried, what failed, what the
+    runtime changed, the wall time of the step that recovered, and the throughput before
+    and after."""
     import hf_elixir as hfe
 
     device = device_and_cap(dict(job, cap_bytes=None))
@@ -347,26 +390,46 @@ def run_recovery(job: dict) -> dict:
     vocab, tokens = model.config.vocab_size, job["batch"] * job["seq"]
     out["plan"] = {"rcache_blocks": plan.rcache_blocks, "activation_checkpointing": plan.activation_checkpointing,
                    "predicted_peak_bytes": plan.predictions.get("peak_bytes")}
-    times = []
-    for i in range(job["warmup"] + job["steps"]):
-        if i == job["warmup"] and device.type == "cuda":
-            peak = torch.cuda.max_memory_allocated(device)
-            total = torch.cuda.get_device_properties(device).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, job["squeeze"] * peak / total), device)
-            out["squeezed_to_bytes"], out["peak_before_bytes"] = job["squeeze"] * peak, peak
+    times: list[float] = []
+    out["squeezes"] = squeezes = []
+
+    def timed(i: int) -> float:
         ids = torch.randint(0, vocab, (job["batch"], job["seq"]), generator=torch.Generator().manual_seed(i))
         sync()
         t0 = time.perf_counter()
-        try:
-            step(ids)
-        except hfe.RecoveryFailed as exc:
-            return dict(out, status="not_recovered", error=str(exc)[:600], events=em.recovery.log.events,
-                        step_times_s=times)
+        step(ids)
         sync()
         times.append(time.perf_counter() - t0)
-    before, after = times[1:job["warmup"]] or times[:1], times[job["warmup"] + 1:]
-    out.update(status="ok" if em.recovery.log.events else "no_failure", events=em.recovery.log.events,
-               step_times_s=times, recovery_step_s=times[job["warmup"]],
+        return times[-1]
+
+    events = em.recovery.log.events
+    try:
+        for i in range(job["warmup"]):
+            timed(i)
+        peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+        out["peak_before_bytes"] = peak
+        recovered_at = None
+        for fraction in job["squeeze"] if device.type == "cuda" else job["squeeze"][:1]:
+            before = len(events)
+            if peak is not None:
+                total = torch.cuda.get_device_properties(device).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, fraction * peak / total), device)
+                out["squeezed_to_bytes"] = fraction * peak
+            seconds = timed(len(times))
+            squeezes.append({"fraction_of_peak": fraction, "cap_bytes": fraction * peak if peak else None,
+                             "failures": len(events) - before, "step_s": seconds})
+            if len(events) > before:
+                recovered_at = len(times) - 1
+                break
+        for _ in range(job["steps"] - 1 if recovered_at is not None else 0):
+            timed(len(times))
+    except hfe.RecoveryFailed as exc:
+        return dict(out, status="not_recovered", error=str(exc)[:600], events=events, step_times_s=times)
+    if recovered_at is None:
+        return dict(out, status="no_failure", events=events, step_times_s=times,
+                    error=f"no step ran out of memory, down to {job['squeeze'][-1]:.0%} of the peak")
+    before, after = times[1:job["warmup"]] or times[:1], times[recovered_at + 1:]
+    out.update(status="ok", events=events, step_times_s=times, recovery_step_s=times[recovered_at],
                tokens_per_s_before=tokens / statistics.median(before),
                tokens_per_s_after=tokens / statistics.median(after) if after else None,
                plan_after={"rcache_blocks": em.plan.rcache_blocks,
