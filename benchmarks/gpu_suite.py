@@ -76,6 +76,8 @@ GPU_SETTINGS = {
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
                  "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45),
                  "disk_tier": (120, 45)},
+    # how long the offload section waits, after the smoke test, for DeepSpeed's CPU Adam to compile
+    "cpu_adam_build_wait_s": 120,
     "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
                                                       "d_all_cpu", "e_checkpointing"],
     # 24 layers of 1024 x 1024, 2 a chunk: 12 chunks, 6 of them (about 150 MB of fp32 master
@@ -99,6 +101,7 @@ DRY_SETTINGS = {
     "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
                  "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20),
                  "disk_tier": (120, 20)},
+    "cpu_adam_build_wait_s": 240,
     "smoke_archs": ["gpt2"], "smoke_plans": ["a_all_device", "d_all_cpu"],
     "disk_tier": {"quick": True},
 }
@@ -154,6 +157,53 @@ class Runner:
         return result
 
 
+class CpuAdamBuild:
+    """DeepSpeed's CPU Adam, compiled on the machine the suite runs on (its torch, its
+    compiler; a wheel built elsewhere carries no op, see ``benchmarks/gpu_wheels.sh``), in
+    a process of its own while the smoke section runs, so DeepSpeed's offload baseline
+    steps with its own optimizer rather than torch's. The offload section waits for it
+    first: no compile runs beside a timed job."""
+
+    def __init__(self, runner: Runner) -> None:
+        self.runner = runner
+        self.proc: Optional[subprocess.Popen] = None
+        self.log = runner.workdir / "cpu_adam_build.log"
+        self.started = 0.0
+        self.result: dict[str, Any] = {"status": "unavailable", "error": "deepspeed is not installed"}
+
+    def start(self) -> None:
+        if not importlib.util.find_spec("deepspeed"):
+            return
+        code = ("from deepspeed.accelerator import get_accelerator; "
+                "get_accelerator().create_op_builder('CPUAdamBuilder').load(verbose=False)")
+        self.started = time.monotonic()
+        with open(self.log, "w") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", code], env=self.runner.env, cwd=ROOT, stdout=log,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+
+    def finish(self, timeout: float) -> dict:
+        """Wait at most ``timeout`` seconds; on success the jobs are told the op is built."""
+        if self.proc is None:
+            return self.result
+        try:
+            code = self.proc.wait(timeout=max(1.0, timeout))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            code = None
+        seconds = time.monotonic() - self.started
+        if code == 0:
+            self.runner.env["HF_ELIXIR_DS_CPU_ADAM"] = f"compiled by the suite on this machine in {seconds:.0f} s"
+            self.result = {"status": "ok", "seconds": seconds}
+        else:
+            tail = self.log.read_text()[-1500:] if self.log.exists() else ""
+            self.result = {"status": "timeout" if code is None else "error", "seconds": seconds,
+                           "error": f"no op after {seconds:.0f} s" if code is None else f"exit code {code}",
+                           "log": tail}
+        self.proc = None
+        return self.result
+
+
 def train_job(settings: dict, system: str, **extra) -> dict:
     job = {"job": "train", "system": system, "device": settings["device"], "model": settings["gpt2"],
            "batch": settings["batch"], "seq": settings["seq"], "dtype": settings["dtype"],
@@ -186,7 +236,8 @@ def section_offload(runner: Runner, s: dict) -> dict:
                                     later + _least(s, "deepspeed")),
         "deepspeed_offload": runner.run(train_job(s, "deepspeed", checkpointing=True), t["deepspeed"], later)
         if importlib.util.find_spec("deepspeed") else
-        {"status": "unavailable", "error": "deepspeed is not installed (pip install -e '.[bench]')"},
+        {"status": "unavailable", "error": "deepspeed is not installed (pip install -e '.[bench]'; on a machine "
+                                           "without network, carry the wheels of benchmarks/gpu_wheels.sh)"},
     }
 
 
@@ -267,6 +318,10 @@ def summary_lines(results: dict) -> list[str]:
         r = results["smoke"][part]
         lines.append(f"  {part:9s} {r.get('status')}  {len(r.get('checked', []))} cases"
                      + (f"  {r.get('failures') or r.get('error')}" if r.get("status") != "ok" else ""))
+    build = results["environment"].get("deepspeed_cpu_adam_build") or {}
+    if build.get("status") not in (None, "unavailable"):
+        lines.append(f"deepspeed CPU Adam compiled here: {build['status']} ({build.get('seconds', 0):.0f} s)"
+                     + (f"  {build.get('error')}" if build["status"] != "ok" else ""))
     lines.append(f"{'section':12s} {'system':18s} {'status':8s} {'tok/s':>9s} {'step s':>7s} {'peak GiB':>8s}  note")
     for section in ("offload_24g", "mfu"):
         for system, r in results.get(section, {}).items():
@@ -377,7 +432,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run)
         runner.disk_path = Path(disk_tmp)
         results["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = runner.env.get("PYTORCH_CUDA_ALLOC_CONF")
+        cpu_adam = CpuAdamBuild(runner)
+        cpu_adam.start()
         results["smoke"] = section_smoke(runner, settings)
+        results["environment"]["deepspeed_cpu_adam_build"] = cpu_adam.finish(settings["cpu_adam_build_wait_s"])
         for key in ("gpu", "gpu_memory_bytes"):
             results["environment"][key] = results["smoke"]["direct"].get(key)
         save()

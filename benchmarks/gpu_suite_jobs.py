@@ -191,14 +191,18 @@ def setup_fsdp2(model, job: dict, device: torch.device) -> tuple[Callable, dict]
 
 
 def deepspeed_cpu_adam() -> tuple[bool, str]:
-    """Whether DeepSpeedCPUAdam is ready without compiling, and what was found. Compiling
-    it takes a minute or more of the GPU machine's time, so only a prebuilt op is used."""
+    """Whether DeepSpeedCPUAdam is ready without compiling, and what was found: an op built
+    into the installed package, or one the suite compiled before this job (gpu_suite.py's
+    ``CpuAdamBuild``, which says so in ``HF_ELIXIR_DS_CPU_ADAM``). A job never compiles it
+    itself: that would take a minute or more inside a timed run."""
     try:
         from deepspeed.git_version_info import installed_ops
     except Exception as exc:  # deepspeed missing or broken
         return False, f"deepspeed not importable ({exc!r})"
     if installed_ops.get("cpu_adam"):
         return True, "DeepSpeedCPUAdam (prebuilt op)"
+    if os.environ.get("HF_ELIXIR_DS_CPU_ADAM"):
+        return True, f"DeepSpeedCPUAdam ({os.environ['HF_ELIXIR_DS_CPU_ADAM']})"
     missing = [what for what, ok in (("CUDA_HOME", os.environ.get("CUDA_HOME")),
                                      ("a C++ compiler", shutil.which("c++") or shutil.which("g++"))) if not ok]
     why = f"missing {', '.join(missing)}" if missing else "it would be JIT-compiled (minutes)"
