@@ -9,7 +9,7 @@ depends only on that request sequence, so the collectives line up.
 from __future__ import annotations
 
 import warnings
-from typing import Collection, Optional, Sequence
+from typing import Collection, Sequence
 
 import torch
 

@@ -25,7 +25,7 @@ from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
 from hf_elixir.runtime.devices import move_to_device, pinned_pool, resolve_device
-from hf_elixir.runtime.disk_tier import DiskTier, clear_grad, open_chunk, prepare as prepare_disk
+from hf_elixir.runtime.disk_tier import DiskTier, clear_grad, prepare as prepare_disk
 from hf_elixir.runtime.fetch import Fetcher
 from hf_elixir.runtime.hooks import HookManager, in_backward
 from hf_elixir.runtime.host_update import HostUpdates
@@ -37,6 +37,7 @@ from hf_elixir.runtime.reduce import GradReducer
 from hf_elixir.runtime.released import mark_released
 from hf_elixir.runtime.threads import host_threads
 from hf_elixir.runtime.timing import StepClock, summarize
+from hf_elixir.runtime.weights import check_state_dict, gather_state, load_into_chunks
 
 _WRAPPED_ATTR = "_hf_elixir_wrapped"
 
@@ -489,28 +490,13 @@ class ElixirModule(nn.Module):
         except AttributeError:
             return getattr(self._modules["module"], name)
 
-    def _gathered_chunk(self, chunk: Chunk) -> torch.Tensor:
-        """The full values of one chunk (from the master shards), gathered collectively: in
-        fp32, or for a chunk holding packed 4-bit weights in its own dtype (their bytes are
-        not numbers to cast; ``Slot.view`` reads each parameter out)."""
-        self.host_updates.wait_all()
-        dtype = chunk.dtype if chunk.packed else torch.float32
-        full = torch.empty(chunk.size, dtype=dtype, device=self.device)
-        self.ledger.add("temporary", full.numel() * dtype.itemsize)
-        try:
-            with open_chunk(self.disk, chunk) as (master, _):
-                self.comm.all_gather(full, master.to(self.device, dtype=dtype)).wait()
-        finally:
-            self.ledger.sub("temporary", full.numel() * dtype.itemsize)
-        return full
-
     def state_dict(self, *args: Any, destination=None, prefix: str = "", keep_vars: bool = False) -> dict:
         """The model's own state_dict keys with full tensors (collective: call on every rank).
 
         Chunked parameters come from the fp32 master weights (a frozen chunk's from its
         shards), cast to the dtype the model had before wrapping; tensors are on the CPU."""
         out = {} if destination is None else destination
-        out.update(self._gather_state(self.chunks, prefix, buffers=True))
+        out.update(gather_state(self, self.chunks, prefix, buffers=True))
         return out
 
     def trainable_state_dict(self, prefix: str = "") -> dict:
@@ -518,80 +504,15 @@ class ElixirModule(nn.Module):
         (collective). Saving an adapter needs no copy of a frozen base: gathering it would
         put the whole base model in every rank's host memory for a few megabytes of
         adapter."""
-        return self._gather_state([c for c in self.chunks if not c.frozen], prefix, buffers=False)
-
-    def _gather_state(self, chunks: list[Chunk], prefix: str, buffers: bool) -> dict:
-        by_param = {}
-        for chunk in chunks:
-            full = self._gathered_chunk(chunk).cpu()
-            for slot in chunk.slots:
-                by_param[id(slot.param)] = slot.view(full).to(slot.orig_dtype).clone()
-            del full
-        chunked = {id(s.param) for s in self.slots}
-        out = {}
-        for key, value in self.module.state_dict(keep_vars=True).items():
-            if id(value) in by_param:
-                out[prefix + key] = by_param[id(value)]
-            elif buffers and id(value) not in chunked:
-                out[prefix + key] = value.detach().cpu().clone()
-        return out
+        return gather_state(self, [c for c in self.chunks if not c.frozen], prefix, buffers=False)
 
     def load_state_dict(self, state_dict: Mapping[str, torch.Tensor], strict: bool = True, assign: bool = False):
         """Load full tensors (the model's own keys) into the shards. Everything is checked
-        before anything is written."""
-        own = self.module.state_dict(keep_vars=True)
-        missing = [k for k in own if k not in state_dict]
-        unexpected = [k for k in state_dict if k not in own]
-        # tied parameters appear under several keys; one of them is enough
-        key_of_param: dict[int, str] = {}
-        for k, v in own.items():
-            if k in state_dict:
-                key_of_param.setdefault(id(v), k)
-        missing = [k for k in missing if id(own[k]) not in key_of_param]
-        if strict and (missing or unexpected):
-            raise RuntimeError(
-                f"state_dict does not match the model: missing keys {missing[:5]}, "
-                f"unexpected keys {unexpected[:5]}"
-            )
-        shapes = {id(s.param): s.shape for s in self.slots}
-        for k, v in own.items():
-            if k in state_dict:
-                want = shapes.get(id(v), v.shape)
-                if tuple(state_dict[k].shape) != tuple(want):
-                    raise RuntimeError(
-                        f"state_dict[{k!r}] has shape {tuple(state_dict[k].shape)}, the model "
-                        f"expects {tuple(want)}"
-                    )
-        packed = {id(s.param): s for s in self.slots if s.packed}
-        for k, v in own.items():
-            if k in state_dict and id(v) in packed and state_dict[k].dtype != packed[id(v)].orig_dtype:
-                raise RuntimeError(
-                    f"state_dict[{k!r}] holds packed 4-bit codes in {state_dict[k].dtype}, the model "
-                    f"packs them in {packed[id(v)].orig_dtype}; their bytes cannot be cast: load the "
-                    "weights with the model's own bnb_4bit_quant_storage"
-                )
+        before anything is written (``runtime/weights.py``)."""
+        keys = check_state_dict(self, state_dict, strict)
         self.release_all()
-        rank = self.comm.rank
-        for chunk in self.chunks:
-            flat = torch.zeros(chunk.size, dtype=chunk.dtype if chunk.packed else torch.float32)
-            current = None
-            for slot in chunk.slots:
-                key = key_of_param.get(id(slot.param))
-                if key is None:  # not strict and absent: keep the current values
-                    current = self._gathered_chunk(chunk).cpu() if current is None else current
-                    slot.view(flat).copy_(slot.view(current))
-                else:
-                    slot.view(flat).copy_(state_dict[key].reshape(slot.shape))
-            local = flat[rank * chunk.shard_size : (rank + 1) * chunk.shard_size]
-            with open_chunk(self.disk, chunk, write=True) as (master, _):
-                master.copy_(local)
-            if not chunk.master_aliased:
-                chunk.shard.copy_(local)
-        slot_params = {id(s.param) for s in self.slots}
-        for k, v in own.items():
-            if k in state_dict and id(v) not in slot_params:
-                v.data.copy_(state_dict[k])
-        return nn.modules.module._IncompatibleKeys(missing, unexpected)
+        load_into_chunks(self, state_dict, keys.key_of_param)
+        return nn.modules.module._IncompatibleKeys(keys.missing, keys.unexpected)
 
 
 def _drain_at_exit(ref: "weakref.ReferenceType[ElixirModule]") -> None:
