@@ -15,17 +15,21 @@ so a stuck job cannot eat the time of the sections after it):
    out-of-memory error is recorded as a result.
 3. mfu: the same model without a cap (it fits): hf_elixir's model FLOPs utilisation next
    to FSDP2's.
-4. scale: the largest Llama-style model hf_elixir trains under the 24 GiB cap at a batch
+4. trainer: a stock Trainer script (``benchmarks/trainer_speed.py``: GPT-2 124M, bf16, batch
+   8 x 512, 10 warm-up and 40 timed steps) started plainly, then under ``hf-elixir launch``
+   with nothing offloaded and with ``offload: all``: tokens/s, and hf_elixir's over the
+   plain Trainer's (``vs_plain``).
+5. scale: the largest Llama-style model hf_elixir trains under the 24 GiB cap at a batch
    that makes offload worthwhile (8 x 1024; where it does not fit, as the planner's largest
    micro-batch that does, accumulated to the same batch), 1 warm-up and 2 timed steps,
    trying 7B, then 13B (planned from the config first: a plan that cannot fit the
    machine's host memory is refused in seconds, not after minutes of loading).
-5. recovery: the section-2 model trained 3 steps, then squeezed until a step really runs
+6. recovery: the section-2 model trained 3 steps, then squeezed until a step really runs
    out of memory (allocations capped at 80%, 65%, 50%, then 40% of the peak those steps
    reached, one step at each), then 2 more steps at that cap: whether the runtime recovers
    from the errors (docs/recovery.md), what it changed, how long the recovering step took
    and the throughput after it. A dry run injects the error at the first cap instead.
-6. disk_tier: ``benchmarks/bench_disk_tier.py`` on the device (issue 38): a 24-layer,
+7. disk_tier: ``benchmarks/bench_disk_tier.py`` on the device (issue 38): a 24-layer,
    1024-wide model (25M parameters, 12 chunks) trained 2 + 4 steps with half of the
    trainable chunks' optimizer state on the disk tier and, in fresh processes, all of it on
    the host tier; the disk's measured read and write bandwidth (before and after), one
@@ -33,7 +37,7 @@ so a stuck job cannot eat the time of the sections after it):
    losses are bit-identical. The tier's files go in a scratch directory beside the results
    file (the disk the results go to, not a tmpfs ``/tmp``; ``--disk-path`` elsewhere),
    removed at the end. About a minute; a dry run runs ``--quick`` on the CPU.
-7. fidelity: the plan's predicted peak memory and step time against the measured ones,
+8. fidelity: the plan's predicted peak memory and step time against the measured ones,
    for hf_elixir in sections 2 and 4.
 
 Results: ``benchmarks/results/gpu_suite.json`` (``--out`` elsewhere; a dry run writes to a
@@ -63,6 +67,8 @@ GiB = 2**30
 
 GPT2_XL = {"name": "gpt2-1.5b", "family": "gpt2",
            "kwargs": dict(n_layer=48, n_embd=1600, n_head=25, vocab_size=50257, n_positions=1024)}
+GPT2_SMALL = {"name": "gpt2-124m", "family": "gpt2",
+              "kwargs": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)}
 GPU_SETTINGS = {
     "budget_s": 480, "device": "cuda", "cap_bytes": 24 * GiB,
     "gpt2": GPT2_XL, "batch": 8, "seq": 1024, "dtype": "bf16",
@@ -75,7 +81,7 @@ GPU_SETTINGS = {
     # deadline keeps the least of every later job in reserve
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
                  "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45),
-                 "disk_tier": (120, 45)},
+                 "disk_tier": (120, 45), "trainer": (90, 40)},
     # how long the offload section waits, after the smoke test, for DeepSpeed's CPU Adam to compile
     "cpu_adam_build_wait_s": 120,
     "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
@@ -84,6 +90,8 @@ GPU_SETTINGS = {
     # and Adam moments) on disk; a minute with both systems' process starts
     "disk_tier": {"width": 1024, "layers": 24, "layers_per_chunk": 2, "warmup": 2, "steps": 4,
                   "disk_total": 128 * 2**20},
+    # a stock Trainer script, plain and under hf-elixir launch with each offload setting
+    "trainer": {"model": GPT2_SMALL, "batch": 8, "seq": 512, "warmup": 10, "steps": 40, "offloads": ["none", "all"]},
 }
 TINY = dict(vocab_size=512, bos_token_id=0, eos_token_id=0)
 TINY_GPT2 = {"name": "gpt2-tiny", "family": "gpt2", "kwargs": dict(TINY, n_layer=2, n_embd=64, n_head=4, n_positions=64)}
@@ -100,10 +108,11 @@ DRY_SETTINGS = {
     "squeeze": [0.8, 0.65],
     "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
                  "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20),
-                 "disk_tier": (120, 20)},
+                 "disk_tier": (120, 20), "trainer": (150, 30)},
     "cpu_adam_build_wait_s": 240,
     "smoke_archs": ["gpt2"], "smoke_plans": ["a_all_device", "d_all_cpu"],
     "disk_tier": {"quick": True},
+    "trainer": {"model": TINY_GPT2, "batch": 2, "seq": 32, "warmup": 2, "steps": 3, "offloads": ["none"]},
 }
 
 
@@ -229,7 +238,7 @@ def section_smoke(runner: Runner, s: dict) -> dict:
 
 def section_offload(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]
-    later = _least(s, "mfu", "mfu", "scale", "recovery", "disk_tier")
+    later = _least(s, "mfu", "mfu", "trainer", "trainer", "scale", "recovery", "disk_tier")
     return {
         "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"], later + _least(s, "fsdp2", "deepspeed")),
         "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"],
@@ -245,10 +254,30 @@ def section_mfu(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]["mfu"]
     return {
         "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t,
-                                _least(s, "mfu", "scale", "recovery", "disk_tier")),
+                                _least(s, "mfu", "trainer", "trainer", "scale", "recovery", "disk_tier")),
         "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t,
-                            _least(s, "scale", "recovery", "disk_tier")),
+                            _least(s, "trainer", "trainer", "scale", "recovery", "disk_tier")),
     }
+
+
+def section_trainer(runner: Runner, s: dict) -> dict:
+    """A stock Trainer script (benchmarks/trainer_speed.py) started plainly, then under
+    ``hf-elixir launch`` with each offload setting (nothing offloaded first): each run's
+    tokens/s and, for hf_elixir's, ``vs_plain`` (its tokens/s over the plain Trainer's)."""
+    t, limits = s["trainer"], s["timeouts"]["trainer"]
+    base = {"job": "trainer", "device": s["device"], "model": t["model"], "batch": t["batch"], "seq": t["seq"],
+            "warmup": t["warmup"], "steps": t["steps"], "dtype": s["dtype"]}
+    later = _least(s, "scale", "recovery", "disk_tier")
+    offloads = t["offloads"]
+    runs = {"plain": runner.run(dict(base, launcher="plain"), limits, later + limits[1] * len(offloads))}
+    for i, offload in enumerate(offloads):
+        runs[f"hf_elixir_offload_{offload}"] = runner.run(dict(base, launcher="hf_elixir", offload=offload), limits,
+                                                          later + limits[1] * (len(offloads) - 1 - i))
+    plain = runs["plain"]
+    for name, r in runs.items():
+        if name != "plain" and r.get("status") == "ok" and plain.get("status") == "ok":
+            r["vs_plain"] = r["tokens_per_s"] / plain["tokens_per_s"]
+    return runs
 
 
 def section_scale(runner: Runner, s: dict) -> dict:
@@ -330,6 +359,12 @@ def summary_lines(results: dict) -> list[str]:
                 note = f"MFU {r['mfu']['mfu']:.1%}  " + note
             lines.append(f"{section:12s} {system:18s} {r.get('status', ''):8s} {r.get('tokens_per_s', 0):9.0f} "
                          f"{r.get('median_step_s', 0):7.3f} {_gib(r.get('max_memory_allocated')):>8s}  {note[:60]}")
+    for name, r in results.get("trainer", {}).items():
+        note = (f"{r['trainer']}, {r['batch']} x {r['seq']}" + (f", {r['vs_plain']:.2f}x the plain Trainer"
+                                                                if "vs_plain" in r else "")
+                if r.get("status") == "ok" else r.get("error", ""))
+        lines.append(f"{'trainer':12s} {name[:18]:18s} {r.get('status', ''):8s} {r.get('tokens_per_s', 0):9.0f} "
+                     f"{r.get('median_step_s', 0):7.3f} {'':>8s}  {note[:60]}")
     for r in results.get("scale", {}).get("tried", []):
         plan = r.get("plan") or {}
         note = (f"offload {plan.get('offload_fraction', 0):.0%}, params on host {plan.get('param_offload', 0)} chunks"
@@ -373,6 +408,7 @@ def breakdown_lines(results: dict) -> list[str]:
 
     runs = [(section, results.get(section, {}).get("hf_elixir", {})) for section in ("offload_24g", "mfu")]
     runs += [("scale", r) for r in results.get("scale", {}).get("tried", [])]
+    runs += [("trainer", r) for name, r in results.get("trainer", {}).items() if name != "plain"]
     lines = []
     for section, r in runs:
         report = r.get("time_report")
@@ -440,7 +476,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             results["environment"][key] = results["smoke"]["direct"].get(key)
         save()
         if results["smoke"]["status"] == "ok":
-            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu), ("scale", section_scale),
+            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu),
+                                  ("trainer", section_trainer), ("scale", section_scale),
                                   ("recovery", section_recovery), ("disk_tier", section_disk_tier)):
                 results[name] = section(runner, settings)
                 save()
@@ -448,6 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             skipped = {"status": "skipped", "error": "the smoke test failed"}
             results["offload_24g"] = {k: skipped for k in ("hf_elixir", "fsdp2_offload", "deepspeed_offload")}
             results["mfu"] = {k: skipped for k in ("hf_elixir", "fsdp2")}
+            results["trainer"] = {"plain": skipped}
             results["scale"] = {"largest": None, "tried": []}
             results["recovery"] = skipped
             results["disk_tier"] = skipped
@@ -455,7 +493,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     save()
     print("\n".join(summary_lines(results)))
     print(f"wrote {out}")
-    jobs = [r for sec in ("offload_24g", "mfu") for r in results[sec].values()] + results["scale"]["tried"]
+    jobs = [r for sec in ("offload_24g", "mfu", "trainer") for r in results[sec].values()] + results["scale"]["tried"]
     jobs.append(results["recovery"])
     jobs.append(results["disk_tier"])
     # the disk tier's results differing from the host tier's is a failure, as the smoke test's

@@ -12,6 +12,9 @@ A job is a JSON object with a ``job`` key:
   CPUOffloadPolicy, DeepSpeed ZeRO-3 with optimizer and parameter offload) trains a model
   for warm-up + timed steps under an optional memory cap; tokens/s, peak allocated memory
   and, for hf_elixir, the plan's predictions are recorded.
+- ``trainer``: ``benchmarks/trainer_speed.py``, a stock Trainer script that times its own
+  steps, started plainly or under ``hf-elixir launch`` with a one-process config (its
+  ``offload`` setting from the job); the script's result.
 - ``disk_tier``: ``benchmarks/bench_disk_tier.py`` on the compute device (its ``disk_half``
   and ``host`` systems, in ranks of their own, the tier's files under the job's ``path``):
   the disk's measured bandwidth, one step's disk traffic against it, the step time with
@@ -31,7 +34,9 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -442,6 +447,48 @@ def run_recovery(job: dict) -> dict:
     return out
 
 
+def run_trainer(job: dict) -> dict:
+    """``trainer_speed.py`` (a stock Trainer script) started as a user starts it: plainly
+    (``launcher: plain``), or under ``hf-elixir launch`` with a one-process config whose
+    elixir section sets ``offload`` (``launcher: hf_elixir``). Its result, with the
+    command's wall time."""
+    script = HERE / "trainer_speed.py"
+    spec = job["model"]["kwargs"]
+    work = Path(tempfile.mkdtemp(prefix="trainer_speed_"))
+    out = work / "result.json"
+    script_args = [str(script), "--out", str(out), "--layers", str(spec["n_layer"]), "--width", str(spec["n_embd"]),
+                   "--heads", str(spec["n_head"]), "--vocab", str(spec["vocab_size"]), "--seq", str(job["seq"]),
+                   "--timed_steps", str(job["steps"]), "--untimed_steps", str(job["warmup"]),
+                   "--per_device_train_batch_size", str(job["batch"]), "--bf16", str(job["dtype"] == "bf16").lower(),
+                   "--output_dir", str(work / "out"), "--save_strategy", "no", "--logging_strategy", "no",
+                   "--report_to", "none", "--disable_tqdm", "true"]
+    cpu = job["device"] == "cpu"
+    if cpu:  # a bf16 Trainer on a CPU is told so
+        script_args += ["--use_cpu", "true"]
+    if job["launcher"] == "plain":
+        cmd = [sys.executable, *script_args]
+    else:
+        config = work / "elixir.yaml"
+        cli = [sys.executable, "-m", "hf_elixir.cli"]
+        made = subprocess.run([*cli, "config", "--non-interactive", "--config_file", str(config), "--num_processes", "1",
+                               "--mixed_precision", "bf16" if job["dtype"] == "bf16" else "no",
+                               "--offload", job["offload"], *(["--use_cpu"] if cpu else [])],
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            return {"status": "error", "error": f"hf-elixir config failed: {made.stderr[-600:]}"}
+        cmd = [*cli, "launch", "--config_file", str(config), "--main_process_port", str(free_port()), *script_args]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=work)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0 or not out.exists():
+        return {"status": "error", "error": f"exit code {proc.returncode}", "stderr": proc.stderr[-3000:],
+                "command_s": wall}
+    result = json.loads(out.read_text())
+    shutil.rmtree(work, ignore_errors=True)
+    return dict(result, status="ok", model=job["model"].get("name"), launcher=job["launcher"],
+                offload=job.get("offload"), command_s=wall)
+
+
 def run_disk_tier(job: dict) -> dict:
     """bench_disk_tier.py in a subprocess (its ranks are spawned: a timeout of this job's
     process group takes them too), sized by the job; the figures the suite keeps."""
@@ -541,7 +588,7 @@ def run_smoke(job: dict) -> dict:
 def main() -> None:
     job, result_path = json.loads(sys.argv[1]), Path(sys.argv[2])
     try:
-        runs = {"smoke": run_smoke, "recovery": run_recovery, "disk_tier": run_disk_tier}
+        runs = {"smoke": run_smoke, "recovery": run_recovery, "disk_tier": run_disk_tier, "trainer": run_trainer}
         result = runs.get(job["job"], run_train)(job)
     except torch.cuda.OutOfMemoryError as exc:
         result = {"status": "oom", "error": str(exc).split("\n")[0][:400]}

@@ -92,4 +92,16 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
         assert report["steps"] >= 2 and report["measured"]["step"] > 0, name
         assert report["predicted"]["step"] > 0 and set(report["predicted"]) - {"collectives"} <= set(report["measured"]), name
         assert f"breakdown {name} {r['model']}:" in proc.stdout
-    assert proc.stdout.count("step time by phase (mean of") == 2 + len(scale["tried"])
+    # issue 36, acceptance 4's third point: a stock Trainer script, plain and under hf-elixir launch
+    trainer = data["trainer"]
+    assert set(trainer) == {"plain", "hf_elixir_offload_none"}
+    plain, elixir = trainer["plain"], trainer["hf_elixir_offload_none"]
+    for name, r in trainer.items():
+        assert r["status"] == "ok", f"{name}: {r.get('error')}\n{r.get('stderr', '')}"
+        assert r["world"] == 1 and r["bf16"] and r["tokens_per_s"] > 0 and len(r["step_times_s"]) == 5, name
+    assert plain["trainer"] == "Trainer" and plain["time_report"] is None
+    assert elixir["trainer"] == "ElixirTrainer" and elixir["offload"] == "none"
+    assert elixir["vs_plain"] == elixir["tokens_per_s"] / plain["tokens_per_s"]
+    assert elixir["time_report"]["measured"]["step"] > 0
+    assert "the plain Trainer" in proc.stdout and "breakdown trainer gpt2-tiny:" in proc.stdout
+    assert proc.stdout.count("step time by phase (mean of") == 3 + len(scale["tried"])
