@@ -3,8 +3,10 @@
     bash benchmarks/gpu_suite.sh                  # on one GPU; about 5 minutes, 8 at most
     bash benchmarks/gpu_suite.sh --dry-run        # on a CPU, tiny models, every step (CI runs it)
 
-Sections (each job in a process of its own, with a timeout; the whole run has a deadline,
-so a stuck job cannot eat the time of the sections after it):
+Sections, in the order they run (each job in a process of its own, with a timeout; the whole
+run has a deadline, so a stuck job cannot eat the time of the sections after it, and the
+most telling sections come first, since the deadline cuts what comes last; ``--sections``
+runs some of them, so a second call can run what a first one's deadline cut):
 
 1. smoke: the equivalence recipe at world size 1 on the device (fp32 plans against plain
    PyTorch, bf16 against fp32), directly and under ``torchrun --nproc_per_node 1`` (NCCL on
@@ -13,17 +15,17 @@ so a stuck job cannot eat the time of the sections after it):
    at 24 GiB: hf_elixir with its planned plan, FSDP2 with CPUOffloadPolicy, DeepSpeed
    ZeRO-3 with optimizer and parameter offload; 1 warm-up and 3 timed steps each; an
    out-of-memory error is recorded as a result.
-3. mfu: the same model without a cap (it fits): hf_elixir's model FLOPs utilisation next
-   to FSDP2's.
-4. trainer: a stock Trainer script (``benchmarks/trainer_speed.py``: GPT-2 124M, bf16, batch
+3. trainer: a stock Trainer script (``benchmarks/trainer_speed.py``: GPT-2 124M, bf16, batch
    8 x 512, 10 warm-up and 40 timed steps) started plainly, then under ``hf-elixir launch``
-   with nothing offloaded and with ``offload: all``: tokens/s, and hf_elixir's over the
-   plain Trainer's (``vs_plain``).
-5. scale: the largest Llama-style model hf_elixir trains under the 24 GiB cap at a batch
+   with nothing offloaded (``offloads`` in the settings adds others, e.g. ``all``): tokens/s,
+   and hf_elixir's over the plain Trainer's (``vs_plain``).
+4. scale: the largest Llama-style model hf_elixir trains under the 24 GiB cap at a batch
    that makes offload worthwhile (8 x 1024; where it does not fit, as the planner's largest
    micro-batch that does, accumulated to the same batch), 1 warm-up and 2 timed steps,
    trying 7B, then 13B (planned from the config first: a plan that cannot fit the
    machine's host memory is refused in seconds, not after minutes of loading).
+5. mfu: the offload_24g model without a cap (it fits): hf_elixir's model FLOPs utilisation next
+   to FSDP2's.
 6. recovery: the section-2 model trained 3 steps, then squeezed until a step really runs
    out of memory (allocations capped at 80%, 65%, 50%, then 40% of the peak those steps
    reached, one step at each), then 2 more steps at that cap: whether the runtime recovers
@@ -77,13 +79,14 @@ GPU_SETTINGS = {
     "scale_batch": 8, "scale_seq": 1024, "scale_warmup": 1, "scale_steps": 2,
     # the recovery section's caps, as fractions of the warm-up peak, until a step fails
     "squeeze": [0.8, 0.65, 0.5, 0.4],
-    # per job: (the most seconds it may take, the least worth starting it with); the
-    # deadline keeps the least of every later job in reserve
+    # per job: (the most seconds it may take, the least worth starting it with); sections run
+    # in the order of SECTIONS, the most telling first, and a job is skipped when the
+    # deadline leaves it less than its least
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
                  "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45),
                  "disk_tier": (120, 45), "trainer": (90, 40)},
     # how long the offload section waits, after the smoke test, for DeepSpeed's CPU Adam to compile
-    "cpu_adam_build_wait_s": 120,
+    "cpu_adam_build_wait_s": 60,
     "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
                                                       "d_all_cpu", "e_checkpointing"],
     # 24 layers of 1024 x 1024, 2 a chunk: 12 chunks, 6 of them (about 150 MB of fp32 master
@@ -91,7 +94,7 @@ GPU_SETTINGS = {
     "disk_tier": {"width": 1024, "layers": 24, "layers_per_chunk": 2, "warmup": 2, "steps": 4,
                   "disk_total": 128 * 2**20},
     # a stock Trainer script, plain and under hf-elixir launch with each offload setting
-    "trainer": {"model": GPT2_SMALL, "batch": 8, "seq": 512, "warmup": 10, "steps": 40, "offloads": ["none", "all"]},
+    "trainer": {"model": GPT2_SMALL, "batch": 8, "seq": 512, "warmup": 10, "steps": 40, "offloads": ["none"]},
 }
 TINY = dict(vocab_size=512, bos_token_id=0, eos_token_id=0)
 TINY_GPT2 = {"name": "gpt2-tiny", "family": "gpt2", "kwargs": dict(TINY, n_layer=2, n_embd=64, n_head=4, n_positions=64)}
@@ -135,11 +138,11 @@ class Runner:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
-    def run(self, job: dict, limits: tuple[float, float], reserve_s: float = 0.0, torchrun: bool = False) -> dict:
-        """Run one job within ``limits`` (most, least seconds), keeping ``reserve_s`` for the
-        jobs after it; its result, or why there is none (timeout, killed, skipped)."""
+    def run(self, job: dict, limits: tuple[float, float], torchrun: bool = False) -> dict:
+        """Run one job within ``limits`` (most, least seconds); its result, or why there is
+        none (timeout, killed, skipped: fewer than ``least`` seconds left)."""
         most, least = limits
-        timeout = min(most, self.remaining() - reserve_s)
+        timeout = min(most, self.remaining())
         if timeout < least:
             return {"status": "skipped", "error": f"the suite's time budget is spent ({timeout:.0f} s left for it)"}
         self.count += 1
@@ -222,10 +225,6 @@ def train_job(settings: dict, system: str, **extra) -> dict:
 
 
 # ---------------------------------------------------------------------- sections
-def _least(s: dict, *kinds: str) -> float:
-    return sum(s["timeouts"][k][1] for k in kinds)
-
-
 def section_smoke(runner: Runner, s: dict) -> dict:
     job = {"job": "smoke", "device": s["device"], "archs": s["smoke_archs"], "plans": s["smoke_plans"]}
     t = s["timeouts"]
@@ -238,12 +237,10 @@ def section_smoke(runner: Runner, s: dict) -> dict:
 
 def section_offload(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]
-    later = _least(s, "mfu", "mfu", "trainer", "trainer", "scale", "recovery", "disk_tier")
     return {
-        "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"], later + _least(s, "fsdp2", "deepspeed")),
-        "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"],
-                                    later + _least(s, "deepspeed")),
-        "deepspeed_offload": runner.run(train_job(s, "deepspeed", checkpointing=True), t["deepspeed"], later)
+        "hf_elixir": runner.run(train_job(s, "hf_elixir"), t["hf_elixir"]),
+        "fsdp2_offload": runner.run(train_job(s, "fsdp2", offload=True, checkpointing=True), t["fsdp2"]),
+        "deepspeed_offload": runner.run(train_job(s, "deepspeed", checkpointing=True), t["deepspeed"])
         if importlib.util.find_spec("deepspeed") else
         {"status": "unavailable", "error": "deepspeed is not installed (pip install -e '.[bench]'; on a machine "
                                            "without network, carry the wheels of benchmarks/gpu_wheels.sh)"},
@@ -253,10 +250,8 @@ def section_offload(runner: Runner, s: dict) -> dict:
 def section_mfu(runner: Runner, s: dict) -> dict:
     t = s["timeouts"]["mfu"]
     return {
-        "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t,
-                                _least(s, "mfu", "trainer", "trainer", "scale", "recovery", "disk_tier")),
-        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t,
-                            _least(s, "trainer", "trainer", "scale", "recovery", "disk_tier")),
+        "hf_elixir": runner.run(train_job(s, "hf_elixir", cap_bytes=None, mfu=True), t),
+        "fsdp2": runner.run(train_job(s, "fsdp2", cap_bytes=None, mfu=True), t),
     }
 
 
@@ -267,12 +262,9 @@ def section_trainer(runner: Runner, s: dict) -> dict:
     t, limits = s["trainer"], s["timeouts"]["trainer"]
     base = {"job": "trainer", "device": s["device"], "model": t["model"], "batch": t["batch"], "seq": t["seq"],
             "warmup": t["warmup"], "steps": t["steps"], "dtype": s["dtype"]}
-    later = _least(s, "scale", "recovery", "disk_tier")
-    offloads = t["offloads"]
-    runs = {"plain": runner.run(dict(base, launcher="plain"), limits, later + limits[1] * len(offloads))}
-    for i, offload in enumerate(offloads):
-        runs[f"hf_elixir_offload_{offload}"] = runner.run(dict(base, launcher="hf_elixir", offload=offload), limits,
-                                                          later + limits[1] * (len(offloads) - 1 - i))
+    runs = {"plain": runner.run(dict(base, launcher="plain"), limits)}
+    for offload in t["offloads"]:
+        runs[f"hf_elixir_offload_{offload}"] = runner.run(dict(base, launcher="hf_elixir", offload=offload), limits)
     plain = runs["plain"]
     for name, r in runs.items():
         if name != "plain" and r.get("status") == "ok" and plain.get("status") == "ok":
@@ -287,7 +279,7 @@ def section_scale(runner: Runner, s: dict) -> dict:
         job = train_job(s, "hf_elixir", model=spec, batch=s["scale_batch"], seq=s["scale_seq"],
                         warmup=s["scale_warmup"], steps=s["scale_steps"], model_dtype="bf16", split_batches=True,
                         cap_bytes=spec.get("cap_bytes", s["cap_bytes"]))
-        result = runner.run(job, s["timeouts"]["scale"], _least(s, "recovery", "disk_tier"))
+        result = runner.run(job, s["timeouts"]["scale"])
         tried.append({"model": spec["name"], **result})
         if result.get("status") != "ok":
             break
@@ -297,7 +289,7 @@ def section_scale(runner: Runner, s: dict) -> dict:
 
 def section_recovery(runner: Runner, s: dict) -> dict:
     job = train_job(s, "hf_elixir", job="recovery", warmup=3, steps=3, squeeze=s["squeeze"])
-    return runner.run(job, s["timeouts"]["recovery"], _least(s, "disk_tier"))
+    return runner.run(job, s["timeouts"]["recovery"])
 
 
 def section_disk_tier(runner: Runner, s: dict) -> dict:
@@ -305,6 +297,20 @@ def section_disk_tier(runner: Runner, s: dict) -> dict:
     device (bench_disk_tier.py); the tier's files under ``runner.disk_path``."""
     job = {"job": "disk_tier", "device": s["device"], "path": str(runner.disk_path), **s["disk_tier"]}
     return runner.run(job, s["timeouts"]["disk_tier"])
+
+
+#: the sections after the smoke test, the most telling first: what the deadline cuts is last
+SECTIONS = {"offload_24g": section_offload, "trainer": section_trainer, "scale": section_scale, "mfu": section_mfu,
+            "recovery": section_recovery, "disk_tier": section_disk_tier}
+
+
+def not_run(name: str, why: str) -> Any:
+    """A section's result, in its own shape, when it did not run."""
+    skipped = {"status": "skipped", "error": why}
+    return {"offload_24g": {k: skipped for k in ("hf_elixir", "fsdp2_offload", "deepspeed_offload")},
+            "mfu": {k: skipped for k in ("hf_elixir", "fsdp2")},
+            "trainer": {"plain": skipped},
+            "scale": {"largest": None, "tried": []}}.get(name, skipped)
 
 
 def fidelity(results: dict) -> list[dict]:
@@ -442,6 +448,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--budget", type=float, default=None, help="seconds the whole suite may take")
     p.add_argument("--disk-path", type=Path, default=None,
                    help="where the disk_tier section's scratch directory goes (default: beside --out)")
+    p.add_argument("--sections", nargs="+", choices=list(SECTIONS), default=list(SECTIONS),
+                   help="the sections to run after the smoke test, in their own order (default: all; a "
+                        "second call can run what the first one's deadline cut)")
     args = p.parse_args(argv)
     settings = DRY_SETTINGS if args.dry_run else GPU_SETTINGS
     if not args.dry_run:
@@ -469,26 +478,21 @@ def main(argv: Optional[list[str]] = None) -> int:
         runner.disk_path = Path(disk_tmp)
         results["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = runner.env.get("PYTORCH_CUDA_ALLOC_CONF")
         cpu_adam = CpuAdamBuild(runner)
-        cpu_adam.start()
+        if "offload_24g" in args.sections:
+            cpu_adam.start()
         results["smoke"] = section_smoke(runner, settings)
         results["environment"]["deepspeed_cpu_adam_build"] = cpu_adam.finish(settings["cpu_adam_build_wait_s"])
         for key in ("gpu", "gpu_memory_bytes"):
             results["environment"][key] = results["smoke"]["direct"].get(key)
         save()
-        if results["smoke"]["status"] == "ok":
-            for name, section in (("offload_24g", section_offload), ("mfu", section_mfu),
-                                  ("trainer", section_trainer), ("scale", section_scale),
-                                  ("recovery", section_recovery), ("disk_tier", section_disk_tier)):
+        for name, section in SECTIONS.items():
+            if results["smoke"]["status"] != "ok":
+                results[name] = not_run(name, "the smoke test failed")
+            elif name not in args.sections:
+                results[name] = not_run(name, "not among --sections")
+            else:
                 results[name] = section(runner, settings)
-                save()
-        else:
-            skipped = {"status": "skipped", "error": "the smoke test failed"}
-            results["offload_24g"] = {k: skipped for k in ("hf_elixir", "fsdp2_offload", "deepspeed_offload")}
-            results["mfu"] = {k: skipped for k in ("hf_elixir", "fsdp2")}
-            results["trainer"] = {"plain": skipped}
-            results["scale"] = {"largest": None, "tried": []}
-            results["recovery"] = skipped
-            results["disk_tier"] = skipped
+            save()
     results["fidelity"] = fidelity(results)
     save()
     print("\n".join(summary_lines(results)))
