@@ -452,9 +452,14 @@ def run_trainer(job: dict) -> dict:
     (``launcher: plain``), or under ``hf-elixir launch`` with a one-process config whose
     elixir section sets ``offload`` (``launcher: hf_elixir``). Its result, with the
     command's wall time."""
+    with tempfile.TemporaryDirectory(prefix="trainer_speed_") as tmp:  # removed on every path
+        return _trainer_in(job, Path(tmp))
+
+
+def _trainer_in(job: dict, work: Path) -> dict:
+    """``run_trainer``'s run, its config, result and output folder in ``work``."""
     script = HERE / "trainer_speed.py"
     spec = job["model"]["kwargs"]
-    work = Path(tempfile.mkdtemp(prefix="trainer_speed_"))
     out = work / "result.json"
     script_args = [str(script), "--out", str(out), "--layers", str(spec["n_layer"]), "--width", str(spec["n_embd"]),
                    "--heads", str(spec["n_head"]), "--vocab", str(spec["vocab_size"]), "--seq", str(job["seq"]),
@@ -483,9 +488,7 @@ def run_trainer(job: dict) -> dict:
     if proc.returncode != 0 or not out.exists():
         return {"status": "error", "error": f"exit code {proc.returncode}", "stderr": proc.stderr[-3000:],
                 "command_s": wall}
-    result = json.loads(out.read_text())
-    shutil.rmtree(work, ignore_errors=True)
-    return dict(result, status="ok", model=job["model"].get("name"), launcher=job["launcher"],
+    return dict(json.loads(out.read_text()), status="ok", model=job["model"].get("name"), launcher=job["launcher"],
                 offload=job.get("offload"), command_s=wall)
 
 
