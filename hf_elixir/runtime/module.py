@@ -134,7 +134,7 @@ class ElixirModule(nn.Module):
         #: where each training step's time goes (runtime/timing.py; ``time_report()``)
         self.clock = StepClock(self.device)
         #: threads the optimizer's element-wise host work runs on (runtime/threads.py)
-        self.host_threads = host_threads()
+        self.host_threads = host_threads(self.comm.world_size)
         #: host-state updates running behind the next forward (runtime/host_update.py)
         self.host_updates = HostUpdates(self.host_threads if self.device.type == "cuda" else None)
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder,

@@ -30,10 +30,15 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
-def host_threads() -> int:
+def host_threads(world_size: int = 1) -> int:
     """Threads for this rank's host update: ``$HF_ELIXIR_HOST_THREADS`` if set, else the
-    usable cores divided by the launcher's local processes (``LOCAL_WORLD_SIZE``), and never
-    fewer than torch already uses."""
+    usable cores divided by the processes on this machine, and never fewer than torch
+    already uses. The processes on this machine are the launcher's ``LOCAL_WORLD_SIZE``;
+    without a launcher (ranks spawned by a script) all ``world_size`` ranks are taken to be
+    here: every rank updates at the same moment of the step, so a rank that took all the
+    cores would run its threads over the others' (it cost 1.3% to 2.5% a step at world
+    size 2 on 2 cores: ``docs/benchmarks.md``, bench_tree_ab), while one that takes too few
+    only updates slower."""
     chosen = os.environ.get(THREADS_ENV)
     if chosen:
         try:
@@ -43,7 +48,7 @@ def host_threads() -> int:
         if value < 1:
             raise ValueError(f"{THREADS_ENV} must be at least 1, got {value}")
         return value
-    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "") or world_size))
     return max(torch.get_num_threads(), usable_cores() // local, 1)
 
 
