@@ -17,9 +17,13 @@ writes only what it has just read.
 Measured, at each thread count, over the same parameters (a GPT-2-shaped model's, all in
 one chunk, about 60M of them):
 
-- ``hf_elixir``: the runtime's own update, timed by its step breakdown
-  (``time_report()``: ``device_optimizer`` plus ``host_copies``, the update and the
-  compute-dtype copy) inside real training steps of an ``ElixirModule`` on the CPU;
+- ``hf_elixir``: the runtime's own update of offloaded state (every chunk's optimizer state
+  on the host), timed by its step breakdown (``time_report()``: ``cpu_optimizer`` plus
+  ``host_copies``, the update and the compute-dtype copy) inside real training steps of an
+  ``ElixirModule`` on the CPU. Under bf16 that is the one-pass loop
+  (``runtime/host_kernel.py``), which writes the copy in the same pass; in fp32 the master is
+  the shard, there is no copy, and it is PyTorch's fused kernel (``hf_elixir_kernel`` in each
+  row says which ran);
 - ``torch_fused_flat``: ``torch.optim.AdamW``'s fused kernel called once over the chunk's
   flat buffers (and, in bf16, one cast into the compute-dtype copy);
 - ``torch_fused_per_param``: the same kernel over each parameter (plain PyTorch's step);
@@ -140,7 +144,9 @@ def deepspeed_cpu_adam(state: Flat) -> tuple[Optional[Callable[[], None]], str]:
 
 
 class ElixirUpdate:
-    """The runtime's own update, in real training steps; each call returns the seconds its
+    """The runtime's own update of offloaded state, in real training steps: every chunk's
+    optimizer state on the host, updated inside ``step()`` (``overlap_host=False``: the same
+    loop the host thread runs, timed on the main thread). Each call returns the seconds its
     step breakdown gave the update and the compute-dtype copy."""
 
     def __init__(self, model, dtype: torch.dtype, threads: int) -> None:
@@ -148,11 +154,20 @@ class ElixirUpdate:
 
         os.environ["HF_ELIXIR_HOST_THREADS"] = str(threads)
         total = sum(p.numel() for p in model.parameters())
-        plan = hfe.ElixirPlan.simple(model, 1, chunk_size=total, compute_dtype=dtype, example_batch=(1, 8))
+        plan = hfe.ElixirPlan.simple(model, 1, chunk_size=total, compute_dtype=dtype, example_batch=(1, 8),
+                                     offload_fraction=1.0)
         self.emodel = hfe.ElixirModule(model, plan)
         self.opt = hfe.ElixirOptimizer(self.emodel, torch.optim.AdamW(
             model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
-            weight_decay=HYPER["weight_decay"]))
+            weight_decay=HYPER["weight_decay"]), overlap_host=False)
+        #: how the host update ran: the one-pass loop (update and copy), or PyTorch's fused
+        #: kernel, with a cast where the compute dtype needs a copy (the reason with it)
+        if all(c.master_aliased for c in self.emodel.chunks):
+            self.kernel = "torch fused (the master is the shard: no copy to write)"
+        elif self.opt.one_pass is not None:
+            self.kernel = "one pass (update and copy)"
+        else:
+            self.kernel = f"torch fused + cast ({hfe.runtime.host_kernel.OnePassAdam(threads).why_not})"
         self.ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
         self()  # the first step records the pass's trace
 
@@ -184,7 +199,7 @@ def measure(threads: int, dtype: torch.dtype, args) -> dict:
     ds, ds_note = deepspeed_cpu_adam(state)
     if ds is not None:
         systems["deepspeed_cpu_adam"] = lambda: timed(ds)
-    systems["hf_elixir"] = ElixirUpdate(model, dtype, threads)
+    elixir = systems["hf_elixir"] = ElixirUpdate(model, dtype, threads)
     samples: dict[str, list[float]] = {name: [] for name in systems}
     for _ in range(args.repeats):  # interleaved: a busy moment hits every system
         for name, run in systems.items():
@@ -202,6 +217,7 @@ def measure(threads: int, dtype: torch.dtype, args) -> dict:
         "hf_elixir_vs_bound": rates["hf_elixir"] / bound,
         "hf_elixir_vs": {name: rates["hf_elixir"] / r for name, r in rates.items() if name != "hf_elixir"},
         "deepspeed": ds_note,
+        "hf_elixir_kernel": elixir.kernel,
     }
 
 

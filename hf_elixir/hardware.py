@@ -398,12 +398,17 @@ def _host_memory_available() -> int:
     return _host_memory()
 
 
-def cache_path() -> Path:
-    """Where calibrations are cached: $HF_ELIXIR_CACHE or $XDG_CACHE_HOME/hf_elixir, per host."""
+def cache_root() -> Path:
+    """hf_elixir's cache folder: $HF_ELIXIR_CACHE, or $XDG_CACHE_HOME/hf_elixir."""
     root = os.environ.get("HF_ELIXIR_CACHE")
     if root is None:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "hf_elixir")
-    return Path(root) / f"hardware-{socket.gethostname()}.json"
+    return Path(root)
+
+
+def cache_path() -> Path:
+    """Where calibrations are cached: in ``cache_root()``, per host."""
+    return cache_root() / f"hardware-{socket.gethostname()}.json"
 
 
 # ---------------------------------------------------------------------- calibration

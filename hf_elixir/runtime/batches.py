@@ -77,8 +77,8 @@ class UpdateBatches:
                 b["grads"].append(chunk.grad_shard[begin:end])
                 b["steps"].append(self._run_step(slots, chunk.optim_device))
                 b["slots"].append(slots[0])
+                b["ranges"].append((begin, end))  # where the run lies in the shard
                 if chunk.disk:  # master and state views are taken once its planes are read
-                    b["ranges"].append((begin, end))
                     continue
                 b["params"].append(chunk.master[begin:end])
                 for name, flat in state.items():

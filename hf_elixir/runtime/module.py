@@ -135,6 +135,8 @@ class ElixirModule(nn.Module):
         self.clock = StepClock(self.device)
         #: threads the optimizer's element-wise host work runs on (runtime/threads.py)
         self.host_threads = host_threads(self.comm.world_size)
+        #: what runs the host-state updates (``ElixirOptimizer`` says; None before it is built)
+        self.host_kernel: Optional[str] = None
         #: host-state updates running behind the next forward (runtime/host_update.py)
         self.host_updates = HostUpdates(self.host_threads if self.device.type == "cuda" else None)
         self.fetcher = Fetcher(self.chunks, self.cache, self.ledger, plan.prefetch_depth, self._placeholder,
@@ -453,11 +455,13 @@ class ElixirModule(nn.Module):
         names (``runtime/timing.py`` defines each): ``measured`` is the mean over the steps
         since the last reset (the first left out: it records the pass's trace), ``last`` the
         latest step's, ``predicted`` the plan's figures for one step of its batch
-        (``plan.predictions["time"]``), ``host_threads`` the threads the host update used, ``disk_io``
+        (``plan.predictions["time"]``), ``host_threads`` the threads the host update used,
+        ``host_kernel`` what ran it (set by the optimizer: host_kernel.py), ``disk_io``
         the disk tier's bytes and I/O seconds since it opened (``DiskTier.io_counters``; None without one).
         ``reset=True`` starts a new window after reading this one; ``timing.format_report`` prints it."""
         report = summarize(self.clock.steps(), self.plan.predictions.get("time"))
-        report.update(host_threads=self.host_threads, disk_io=self.disk.io_counters() if self.disk else None)
+        report.update(host_threads=self.host_threads, host_kernel=self.host_kernel,
+                      disk_io=self.disk.io_counters() if self.disk else None)
         if reset:
             self.clock.reset()
         return report

@@ -2,7 +2,9 @@
 
 The user's optimizer supplies the algorithm (AdamW, Adam or SGD), the hyperparameters and
 the param_groups; the update itself runs per chunk shard where the plan put its state
-(device or CPU), with PyTorch's fused or foreach kernels on views of the flat shards.
+(device or CPU), with PyTorch's fused or foreach kernels on views of the flat shards, or,
+for Adam(W) state on the host with a compute-dtype copy to write, with the one-pass loop
+that writes the copy in the same pass (host_kernel.py).
 ``param_groups`` are the user's own dicts, so LR schedulers (built on either optimizer)
 drive this one unchanged.
 """
@@ -10,7 +12,7 @@ drive this one unchanged.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
@@ -18,6 +20,7 @@ from torch.optim import SGD, Adam, AdamW, Optimizer
 from hf_elixir.runtime.batches import UpdateBatches
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime import grad_shards
+from hf_elixir.runtime.host_kernel import COPY_DTYPES, OnePassAdam
 from hf_elixir.runtime.disk_tier import batch_views, clear_grad, open_chunk
 from hf_elixir.runtime.module import ElixirModule
 from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
@@ -103,6 +106,17 @@ class ElixirOptimizer(Optimizer):
         self.host_chunks = frozenset(i for i, c in enumerate(module.plan.chunks)
                                      if c.optim_placement in ("cpu", "disk") and not c.frozen)
         self.disk_chunks = frozenset(c.index for c in module.chunks if c.disk)
+        #: Adam on the host-state chunks and their compute-dtype copy in one pass
+        #: (host_kernel.py), built or loaded here, before the first step; None: PyTorch's
+        #: fused kernel, then a cast (SGD, no host-state chunk, or no loop usable here)
+        self.one_pass: Optional[OnePassAdam] = None
+        if self.host_chunks and self.algorithm != "sgd":
+            one_pass = OnePassAdam(module.host_threads)
+            self.one_pass = one_pass if one_pass.usable else None
+            module.host_kernel = ("one-pass loop (update and copy)" if self.one_pass is not None
+                                  else f"PyTorch's fused kernel and a cast ({one_pass.why_not})")
+        elif self.host_chunks:
+            module.host_kernel = "PyTorch's kernel (SGD)"
         #: host-state chunks whose update runs behind the next forward, on the host thread
         self.background_chunks = self.host_chunks if overlap_host else frozenset()
         self.stays_gathered = self._stays_gathered()
@@ -432,10 +446,15 @@ class ElixirOptimizer(Optimizer):
                 update()
                 publish()
             clock.host_phase("cpu_optimizer", start)
+        covered: list[tuple[int, int]] = []  # of the chunk being updated: copied by its update
         for i, key in enumerate(order):
             if key[0] in host_state:  # merged device-state batches (chunk -1) are on the device
                 start = clock.now()
-                self._update(self.param_groups[key[1]], key[2], batches[key])
+                chunk = self.module.chunks[key[0]]
+                outs = self._copy_views(chunk, batches[key])
+                self._update(self.param_groups[key[1]], key[2], batches[key], outs=outs)
+                if outs is not None:
+                    covered += batches[key]["ranges"]
                 clock.host_phase("cpu_optimizer", start)
             else:
                 mark = clock.mark()
@@ -444,7 +463,8 @@ class ElixirOptimizer(Optimizer):
             last_of_chunk = i + 1 == len(order) or order[i + 1][0] != key[0]
             if key[0] >= 0 and last_of_chunk:
                 start = clock.now()
-                self._publish(self.module.chunks[key[0]], readers_done)
+                self._publish(self.module.chunks[key[0]], readers_done, covered=covered)
+                covered = []
                 clock.host_phase("host_copies", start)
         start = clock.now()
         for chunk in self.module.chunks:
@@ -489,20 +509,25 @@ class ElixirOptimizer(Optimizer):
         on_disk = [cid for cid in order if chunks[cid].disk and by_chunk[cid]]
         after = dict(zip(on_disk, on_disk[1:] + [None]))
         loaded: dict[int, dict[str, torch.Tensor]] = {}
+        covered: dict[int, list[tuple[int, int]]] = {}  # per chunk: copied by its update
 
         def run(cid: int) -> None:
             if cid in after:
                 loaded[cid] = tier.acquire(cid)
                 if after[cid] is not None:  # read ahead while this one is updated
                     tier.prefetch(after[cid])
+            covered[cid] = []
             for k in by_chunk[cid]:
                 b = batches[k] if cid not in loaded else batch_views(batches[k], chunks[cid].master, loaded[cid])
-                self._update(groups[k[1]], k[2], b)
+                outs = self._copy_views(chunks[cid], b)
+                self._update(groups[k[1]], k[2], b, outs=outs)
+                if outs is not None:
+                    covered[cid] += b["ranges"]
 
         def done(cid: int) -> None:
             views = loaded.pop(cid, None)
             self._publish(chunks[cid], readers_done, counted=True,
-                          master=None if views is None else views.get("master"))
+                          master=None if views is None else views.get("master"), covered=covered.pop(cid, ()))
             if views is not None:  # written back behind the next chunk's update
                 tier.release(cid, write=True)
 
@@ -516,23 +541,60 @@ class ElixirOptimizer(Optimizer):
         return [(cid, lambda c=cid: run(c), (lambda c=cid: done(c)) if by_chunk[cid] else (lambda: None))
                 for cid in order]
 
+    def _copy_views(self, chunk: Chunk, b: dict[str, list]) -> Optional[list[torch.Tensor]]:
+        """Where the one-pass update writes the compute-dtype copy of ``b``'s runs (views of
+        the staging buffer, or of the host shard), or None where it is not used: no
+        one-pass loop, no copy to write (the master is the shard), a shard on the device, or
+        a compute dtype the loop does not write (fp16)."""
+        if self.one_pass is None or chunk.master_aliased:
+            return None
+        if chunk.uploads_from_staging:
+            chunk.fence_host()  # the staging buffer's last upload has finished reading it
+            target = chunk.staging
+        else:
+            target = chunk.shard
+        if target.device.type != "cpu" or target.dtype not in COPY_DTYPES:
+            return None
+        return [target[lo:hi] for lo, hi in b["ranges"]]
+
     @staticmethod
     def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event], counted: bool = False,
-                 master: Optional[torch.Tensor] = None) -> None:
+                 master: Optional[torch.Tensor] = None, covered: Sequence[tuple[int, int]] = ()) -> None:
         """Make the compute-dtype shard match the updated master (``master``: where it is,
-        for a chunk on the disk tier). ``counted``: the caller counted the upload's bytes."""
+        for a chunk on the disk tier). ``counted``: the caller counted the upload's bytes.
+        ``covered``: ranges of the shard the one-pass update already wrote."""
         if chunk.master_aliased:
             return
         master = chunk.master if master is None else master
         if chunk.uploads_from_staging:
             # cast on the host into pinned memory: the compute dtype crosses PCIe, not fp32
             chunk.fence_host()  # the staging buffer's last upload has finished reading it
-            chunk.staging.copy_(master)
+            for lo, hi in uncovered(covered, chunk.shard_size):
+                chunk.staging[lo:hi].copy_(master[lo:hi])
             chunk.upload_from_staging(readers_done, count=not counted)
             return
         # a host shard is only read by the copies release_all() waited for; a device shard
         # takes an asynchronous copy, ordered on the compute stream
-        chunk.shard.copy_(master, non_blocking=chunk.shard.device.type != "cpu")
+        for lo, hi in uncovered(covered, chunk.shard_size):
+            chunk.shard[lo:hi].copy_(master[lo:hi], non_blocking=chunk.shard.device.type != "cpu")
 
-    def _update(self, group: dict, device: torch.device, b: dict[str, list]) -> None:
+    def _update(self, group: dict, device: torch.device, b: dict[str, list],
+                outs: Optional[list[torch.Tensor]] = None) -> None:
+        """One batch's update; ``outs``: write each run's compute-dtype copy there in the
+        same pass (``_copy_views``)."""
+        if outs is not None:
+            self.one_pass.update(self.algorithm, group, b, outs)
+            return
         apply_update(self.algorithm, group, device, b, self._momentum_started)
+
+
+def uncovered(covered: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The stretches of ``[0, size)`` that no range of ``covered`` includes."""
+    out, at = [], 0
+    for lo, hi in sorted(covered):
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < size:
+        out.append((at, size))
+    return out

@@ -1,0 +1,325 @@
+"""Adam on the host in one pass: the update and the compute-dtype copy, in one loop.
+
+An offloaded chunk's update is bound by memory bandwidth, not arithmetic: Adam reads the
+fp32 master, the gradient and two moments and writes three of them back, 28 bytes per
+parameter. PyTorch's fused kernel does exactly that; the copy the device needs next (the
+master cast to bf16, into the staging buffer or the host shard) is then a second pass that
+reads the master again and converts it: 6 bytes more, and a conversion this VM's cores do
+at about 3 G elements/s each. One loop that writes the bf16 copy from the values it has just
+computed moves 30 bytes per parameter, once.
+
+The loop is a few lines of C (``_SOURCE``), compiled for this machine's CPU the first time a
+process needs it (``cc -O3 -march=native``, about a second) and kept in the calibration cache
+(``hardware.cache_root()/kernels``), one file per source, compiler and CPU; later processes
+load it in milliseconds. It is called through ``ctypes``, which releases the GIL for the
+call, so the host-update thread runs it while the main thread drives the next forward
+(``torch.compile`` would also fuse the loop, but its CPU kernels hold the GIL under the
+default wrapper, and every process pays seconds to trace and load them). The rank's host
+threads each take a contiguous part of a long run.
+
+It computes what ``torch._fused_adamw_`` / ``torch._fused_adam_`` compute, in their order of
+operations, on fp32 values, and rounds the copy as PyTorch's cast does (to nearest, ties to
+even; NaN to the canonical NaN). It is not held to agree with them bit for bit (their
+vectorised code may group an operation differently): ``check`` compares the two on sample
+data when the library loads, within :data:`TOLERANCE`, and the copy with PyTorch's own cast
+exactly. Every host update of one run goes through the same loop (overlapped and inline, the
+host and the disk tiers), so those agree with each other exactly.
+
+Where no C compiler is found, the build fails, or ``HF_ELIXIR_HOST_KERNEL=torch`` is set,
+``OnePassAdam.usable`` is False and the optimizer keeps PyTorch's fused kernel and a
+separate cast; ``why_not`` says why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from hf_elixir.hardware import cache_root
+
+#: ``torch`` keeps PyTorch's fused kernel and a separate cast for the host update
+KERNEL_ENV = "HF_ELIXIR_HOST_KERNEL"
+#: how far the loop's results may be from PyTorch's fused kernel's (relative to each
+#: tensor's largest value, after a few steps on sample data) before the runtime refuses it
+TOLERANCE = 1e-6
+#: runs shorter than this are not split between threads (a part's hand-over costs more)
+SPLIT_AT = 1 << 16
+
+_SOURCE = r"""
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+/* fp32 -> bf16 as PyTorch casts: to nearest, ties to even; NaN to 0x7FC0 */
+static inline uint16_t to_bf16(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
+    return (uint16_t)(x != x ? 0x7FC0u : rounded);
+}
+
+static inline float from_bf16(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &bits, sizeof x);
+    return x;
+}
+
+/* one Adam(W) update of n elements, in PyTorch's fused kernel's order of operations; the
+   constant flags make each call below a loop of its own, vectorised without branches */
+static inline void adam(float *restrict param, const void *restrict grad, float *restrict exp_avg,
+                        float *restrict exp_avg_sq, void *restrict out, int64_t n, const float *s,
+                        const int grad_bf16, const int out_kind, const int decoupled, const int maximize) {
+    const float decay = s[0], one_minus_beta1 = s[1], beta2 = s[2], one_minus_beta2 = s[3], eps = s[4],
+                step_size = s[5], bc2_sqrt = s[6];
+    const float *g32 = (const float *)grad;
+    const uint16_t *g16 = (const uint16_t *)grad;
+    float *o32 = (float *)out;
+    uint16_t *o16 = (uint16_t *)out;
+    for (int64_t i = 0; i < n; i++) {
+        float g = grad_bf16 ? from_bf16(g16[i]) : g32[i];
+        if (maximize) g = -g;
+        float p = param[i];
+        if (decoupled) p = p * decay; else g = g + decay * p;
+        float m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1;
+        float v = exp_avg_sq[i] * beta2 + (g * g) * one_minus_beta2;
+        float denom = sqrtf(v) / bc2_sqrt + eps;
+        p = p - step_size * m / denom;
+        param[i] = p;
+        exp_avg[i] = m;
+        exp_avg_sq[i] = v;
+        if (out_kind == 1) o32[i] = p;
+        if (out_kind == 2) o16[i] = to_bf16(p);
+    }
+}
+
+#define CASE(GB, OK, DE, MA) \
+    if (grad_bf16 == GB && out_kind == OK && decoupled == DE && maximize == MA) { \
+        adam(param, grad, exp_avg, exp_avg_sq, out, n, s, GB, OK, DE, MA); return 0; }
+#define CASES(GB, OK) CASE(GB, OK, 0, 0) CASE(GB, OK, 0, 1) CASE(GB, OK, 1, 0) CASE(GB, OK, 1, 1)
+
+/* grad_bf16: the gradient is bf16 (else fp32); out_kind: 0 no copy, 1 an fp32 copy, 2 bf16 */
+int hf_elixir_adam(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out, int64_t n,
+                   const float *s, int grad_bf16, int out_kind, int decoupled, int maximize) {
+    CASES(0, 0) CASES(0, 1) CASES(0, 2) CASES(1, 0) CASES(1, 1) CASES(1, 2)
+    return 1;
+}
+"""
+
+_FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared", "-std=c11")
+_OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
+#: the compute dtypes the loop writes a copy in
+COPY_DTYPES = frozenset((torch.float32, torch.bfloat16))
+
+# the scalars of one call; each is computed in double precision and rounded once, as
+# PyTorch's kernel takes them (``1 - beta2`` rounded from a rounded ``beta2`` is 5e-5 off)
+_DECAY, _ONE_MINUS_BETA1, _BETA2, _ONE_MINUS_BETA2, _EPS, _STEP_SIZE, _BC2_SQRT = range(7)
+
+
+class KernelUnavailable(RuntimeError):
+    """The one-pass loop cannot be built or loaded here (the reason is the message)."""
+
+
+def _cpu_fingerprint() -> str:
+    """What ``-march=native`` compiles for: the CPU's model and feature flags."""
+    lines = []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("model name", "flags", "Features", "CPU part")) and line not in lines:
+                    lines.append(line)
+                if len(lines) >= 2:
+                    break
+    except OSError:
+        pass
+    return platform.machine() + "".join(lines)
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if not cc:
+        raise KernelUnavailable("no C compiler was found (install gcc, or set CC)")
+    return cc
+
+
+def library_path() -> Path:
+    """Build the loop for this machine if no earlier process did; return the library."""
+    cc = _compiler()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
+    key = hashlib.sha256("\0".join((_SOURCE, " ".join(_FLAGS), cc, version, _cpu_fingerprint())).encode())
+    directory = cache_root() / "kernels"
+    path = directory / f"host_adam-{key.hexdigest()[:20]}.so"
+    if path.exists():
+        return path
+    directory.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=directory) as scratch:
+        source = Path(scratch) / "host_adam.c"
+        source.write_text(_SOURCE)
+        built = Path(scratch) / path.name
+        proc = subprocess.run([cc, *_FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if proc.returncode != 0:
+            raise KernelUnavailable(f"{cc} could not build it: {(proc.stderr or proc.stdout).strip()[-500:]}")
+        os.replace(built, path)  # atomic: a rank building beside this one replaces it whole
+    return path
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL for its duration
+    fn = lib.hf_elixir_adam
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int] * 4
+    return lib
+
+
+def _scalars(group: dict, step: float, decoupled: bool) -> torch.Tensor:
+    """The scalars of one call at ``step`` (the count after this update); ``_DECAY`` is AdamW's
+    factor ``1 - lr * weight_decay``, or Adam's ``weight_decay``."""
+    beta1, beta2 = (float(b) for b in group["betas"])
+    lr, decay = float(group["lr"]), float(group["weight_decay"])
+    return torch.tensor([1 - lr * decay if decoupled else decay, 1 - beta1, beta2, 1 - beta2, float(group["eps"]),
+                         lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)], dtype=torch.float32)
+
+
+class OnePassAdam:
+    """The one-pass update of one runtime: the process's library, and ``threads`` host
+    threads that split each long run into contiguous parts."""
+
+    _lock = threading.Lock()
+    #: per $HF_ELIXIR_HOST_KERNEL: the loaded library, or why there is none
+    _loaded: dict[str, tuple[Optional[ctypes.CDLL], Optional[str]]] = {}
+
+    def __init__(self, threads: int) -> None:
+        self.threads = max(1, threads)
+        self._mode = os.environ.get(KERNEL_ENV, "").strip().lower()
+        if self._mode not in ("", "c", "torch"):
+            raise ValueError(f"{KERNEL_ENV} must be 'c' (the default) or 'torch', got {self._mode!r}")
+        self._pool: Optional[ThreadPoolExecutor] = None
+
+    @property
+    def usable(self) -> bool:
+        return self._library()[0] is not None
+
+    @property
+    def why_not(self) -> Optional[str]:
+        """Why the optimizer keeps PyTorch's kernel and a separate cast, or None."""
+        return self._library()[1]
+
+    def _library(self) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+        with self._lock:
+            if self._mode not in self._loaded:
+                self._loaded[self._mode] = self._open()
+            return self._loaded[self._mode]
+
+    def _open(self) -> tuple[Optional[ctypes.CDLL], Optional[str]]:
+        if self._mode == "torch":
+            return None, f"{KERNEL_ENV}=torch"
+        try:
+            lib = _load(library_path())
+            error = check(lib)
+        except (KernelUnavailable, OSError) as exc:
+            error = str(exc)
+        if error is not None:
+            warnings.warn(f"hf_elixir: the one-pass host Adam is not used ({error}); the host update runs "
+                          "PyTorch's fused kernel and a separate cast", RuntimeWarning, stacklevel=4)
+            return None, error
+        return lib, None
+
+    def update(self, algorithm: str, group: dict, b: dict[str, list], outs: Sequence[Optional[torch.Tensor]]) -> None:
+        """Update the runs of ``b`` (lists of flat fp32 views, as ``apply_update`` takes them)
+        and write each run's new values into ``outs`` (a view of the compute-dtype copy, or
+        None), all in one pass."""
+        lib = self._library()[0]
+        assert lib is not None, "OnePassAdam.update called where it is not usable"
+        torch._foreach_add_(b["steps"], 1)
+        decoupled = algorithm == "adamw"
+        maximize = bool(group.get("maximize", False))
+        scalars: dict[float, torch.Tensor] = {}
+        for i, step in enumerate(b["steps"]):
+            value = float(step)
+            s = scalars.get(value)
+            if s is None:
+                s = scalars[value] = _scalars(group, value, decoupled)
+            self._run(lib, b["params"][i], b["grads"][i], b["exp_avg"][i], b["exp_avg_sq"][i], outs[i], s,
+                      decoupled, maximize)
+
+    def _run(self, lib: ctypes.CDLL, param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
+             exp_avg_sq: torch.Tensor, out: Optional[torch.Tensor], s: torch.Tensor, decoupled: bool,
+             maximize: bool) -> None:
+        n = param.numel()
+        for t in (param, exp_avg, exp_avg_sq):
+            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
+        assert grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == n
+        assert out is None or (out.dtype in COPY_DTYPES and out.is_contiguous() and out.numel() == n)
+        flags = (int(grad.dtype == torch.bfloat16), _OUT_KIND[None if out is None else out.dtype], int(decoupled),
+                 int(maximize))
+        threads = min(self.threads, torch.get_num_threads())
+        parts = 1 if n < SPLIT_AT else threads
+        per = -(-n // parts)
+        per = -(-per // 64) * 64  # contiguous parts, each a whole number of cache lines
+        bounds = [(lo, min(n, lo + per)) for lo in range(0, n, per)]
+
+        def part(lo: int, hi: int) -> None:
+            rc = lib.hf_elixir_adam(param.data_ptr() + 4 * lo, grad.data_ptr() + grad.element_size() * lo,
+                                    exp_avg.data_ptr() + 4 * lo, exp_avg_sq.data_ptr() + 4 * lo,
+                                    None if out is None else out.data_ptr() + out.element_size() * lo,
+                                    hi - lo, s.data_ptr(), *flags)
+            assert rc == 0, "hf_elixir_adam was called with flags it does not know"
+
+        if len(bounds) == 1:
+            part(*bounds[0])
+            return
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="hf_elixir_host_adam")
+        futures = [self._pool.submit(part, lo, hi) for lo, hi in bounds[1:]]
+        part(*bounds[0])
+        for future in futures:
+            future.result()
+
+
+def check(lib: ctypes.CDLL) -> Optional[str]:
+    """Compare the loop with PyTorch's fused kernels over a few steps on sample data (AdamW and
+    Adam, maximising or not, with no copy, an fp32 and a bf16 copy, a length no vector width
+    divides); None when they agree within :data:`TOLERANCE` and every copy is PyTorch's cast
+    of the weights, else what differed."""
+    n = 4099
+    gen = torch.Generator().manual_seed(0)
+    group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+    runner = OnePassAdam(1)
+    cases = [("adamw", torch.bfloat16, False), ("adamw", None, True), ("adam", torch.float32, False)]
+    for algorithm, out_dtype, maximize in cases:
+        ours = [torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
+        theirs = [t.clone() for t in ours]
+        out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
+        step_ours, step_theirs = torch.zeros(()), torch.zeros(())
+        kernel = torch._fused_adamw_ if algorithm == "adamw" else torch._fused_adam_
+        for _ in range(3):
+            step_ours += 1
+            runner._run(lib, *ours, out, _scalars(group, float(step_ours), algorithm == "adamw"), algorithm == "adamw",
+                        maximize)
+            step_theirs += 1
+            kernel([theirs[0]], [theirs[1]], [theirs[2]], [theirs[3]], [], [step_theirs], lr=group["lr"], beta1=0.9,
+                   beta2=0.999, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=maximize)
+        for name, a, b in zip(("weights", "gradient", "exp_avg", "exp_avg_sq"), ours, theirs):
+            worst = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+            if not worst <= TOLERANCE:
+                return f"its {algorithm} {name} differ from PyTorch's fused kernel's by {worst:.2g} (relative)"
+        if out is not None and not torch.equal(out, ours[0].to(out_dtype)):
+            return f"its {out_dtype} copy is not PyTorch's cast of its weights"
+    return None

@@ -1,0 +1,191 @@
+"""The one-pass host Adam (runtime/host_kernel.py): built for this machine, checked against
+PyTorch's fused kernels, and used by the optimizer for offloaded state, where it writes the
+compute-dtype copy in the same pass; without a compiler, or when told, the optimizer keeps
+PyTorch's kernel and a separate cast."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import hf_elixir as hfe
+from harness import run_distributed
+from hf_elixir.runtime import host_kernel
+from hf_elixir.runtime.host_kernel import KERNEL_ENV, SPLIT_AT, OnePassAdam
+
+GROUP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
+
+
+@pytest.fixture
+def fresh_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An empty kernel cache, and a process that has loaded no library yet."""
+    monkeypatch.setenv("HF_ELIXIR_CACHE", str(tmp_path))
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.setattr(OnePassAdam, "_loaded", {})
+    return tmp_path
+
+
+def test_the_loop_is_built_once_per_machine_and_loaded_after(fresh_cache: Path) -> None:
+    runner = OnePassAdam(2)
+    assert runner.usable, runner.why_not
+    built = list((fresh_cache / "kernels").glob("host_adam-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    OnePassAdam._loaded.clear()  # as a new process would: found, not built again
+    assert host_kernel.library_path() == built[0] and OnePassAdam(1).usable
+    assert built[0].stat().st_mtime_ns == stamp
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, torch.float32, None])
+@pytest.mark.parametrize("algorithm", ["adamw", "adam"])
+def test_runs_of_any_length_and_step_agree_with_pytorch(fresh_cache: Path, algorithm: str,
+                                                          copy_dtype: torch.dtype | None) -> None:
+    """Runs shorter than a vector, of odd lengths, and long enough to be split between the
+    threads; two of them at another step count. The weights and moments agree with PyTorch's
+    fused kernel within the tolerance the library is loaded with, and each copy is PyTorch's
+    cast of the new weights, exactly."""
+    torch.set_num_threads(2)
+    runner = OnePassAdam(2)
+    assert runner.usable, runner.why_not
+    gen = torch.Generator().manual_seed(1)
+    sizes = [3, 17, 1000, 4099, 2 * SPLIT_AT + 5]
+    flat = {name: torch.randn(sum(sizes), generator=gen) for name in ("params", "grads")}
+    flat["exp_avg"] = torch.randn(sum(sizes), generator=gen) * 1e-3
+    flat["exp_avg_sq"] = torch.rand(sum(sizes), generator=gen) * 1e-4
+    reference = {name: t.clone() for name, t in flat.items()}
+    bounds, at = [], 0
+    for n in sizes:
+        bounds.append((at, at + n))
+        at += n
+    counts = [4.0, 4.0, 9.0, 4.0, 9.0]
+
+    def views(store: dict) -> dict:
+        return {name: [store[name][lo:hi] for lo, hi in bounds] for name in store}
+
+    ours = views(flat)
+    ours["steps"] = [torch.tensor(c) for c in counts]
+    copies = [torch.empty(hi - lo, dtype=copy_dtype) if copy_dtype else None for lo, hi in bounds]
+    runner.update(algorithm, GROUP, ours, copies)
+    kernel = torch._fused_adamw_ if algorithm == "adamw" else torch._fused_adam_
+    theirs = views(reference)
+    for i, count in enumerate(counts):
+        kernel([theirs["params"][i]], [theirs["grads"][i]], [theirs["exp_avg"][i]], [theirs["exp_avg_sq"][i]], [],
+               [torch.tensor(count + 1)], lr=GROUP["lr"], beta1=0.9, beta2=0.95, weight_decay=GROUP["weight_decay"],
+               eps=GROUP["eps"], amsgrad=False, maximize=False)
+    assert [float(s) for s in ours["steps"]] == [c + 1 for c in counts]
+    for name in ("params", "exp_avg", "exp_avg_sq"):
+        worst = ((flat[name] - reference[name]).abs().max() / reference[name].abs().max()).item()
+        assert worst <= host_kernel.TOLERANCE, (name, worst)
+    assert torch.equal(flat["grads"], reference["grads"])  # the gradient is only read
+    for copy, param in zip(copies, ours["params"]):
+        assert copy is None or torch.equal(copy, param.to(copy_dtype))
+
+
+def test_the_copy_rounds_as_pytorch_casts(fresh_cache: Path) -> None:
+    """Ties, the largest finite values, infinities, zeros of both signs, a subnormal and NaN:
+    the bf16 copy of a no-op update (learning rate 0) is PyTorch's own cast, bit for bit,
+    NaN aside: a NaN stays a NaN, but its bits are not compared, because PyTorch's own cast
+    gives 0xFFFF from its vectorised loop and 0x7FC0 from its scalar one."""
+    runner = OnePassAdam(1)
+    special = torch.tensor([1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8, -(1.0 + 2 ** -8), 3.3895e38, -3.4e38, float("inf"),
+                            float("-inf"), float("nan"), 0.0, -0.0, 1e-40])
+    b = {"params": [special.clone()], "grads": [torch.zeros_like(special)], "exp_avg": [torch.zeros_like(special)],
+         "exp_avg_sq": [torch.zeros_like(special)], "steps": [torch.tensor(0.0)]}
+    copy = torch.empty_like(special, dtype=torch.bfloat16)
+    runner.update("adamw", {**GROUP, "lr": 0.0, "weight_decay": 0.0}, b, [copy])
+    expected = special.to(torch.bfloat16)
+    nan = special.isnan()
+    assert torch.equal(copy.isnan(), nan)
+    assert torch.equal(copy[~nan].view(torch.int16), expected[~nan].view(torch.int16)), (copy, expected)
+
+
+def test_without_a_compiler_the_optimizer_keeps_pytorchs_kernel(fresh_cache: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CC", str(fresh_cache / "no-such-compiler"))
+    runner = OnePassAdam(1)
+    with pytest.warns(RuntimeWarning, match="the one-pass host Adam is not used"):
+        usable = runner.usable
+    assert not usable
+    assert "no-such-compiler" in runner.why_not and "does not run" in runner.why_not
+
+
+def test_the_environment_chooses_pytorchs_kernel(fresh_cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(KERNEL_ENV, "torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # asked for: no warning
+        runner = OnePassAdam(1)
+        assert not runner.usable and runner.why_not == f"{KERNEL_ENV}=torch"
+    monkeypatch.setenv(KERNEL_ENV, "fast")
+    with pytest.raises(ValueError, match=KERNEL_ENV):
+        OnePassAdam(1)
+
+
+def _train(rank: int, world_size: int, kernel: str) -> dict:
+    """Three steps of a bf16 GPT-2 whose optimizer state is all on the host, updated inside
+    step() (the host thread runs the same loop): the weights after the first step, the
+    losses, whether every compute-dtype shard is its master's cast, and how many updates went
+    through the one-pass loop."""
+    import os
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    os.environ[KERNEL_ENV] = kernel
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                       bos_token_id=0, eos_token_id=0))
+    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 14, offload_fraction=1.0,
+                                 compute_dtype="bfloat16")
+    emodel = hfe.ElixirModule(model, plan)
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
+    opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                                                         {"params": rest, "weight_decay": 0.0}], lr=1e-3),
+                              overlap_host=False)
+    calls = [0]
+    update = OnePassAdam.update
+
+    def counted(self, *args, **kwargs):
+        calls[0] += 1
+        return update(self, *args, **kwargs)
+
+    OnePassAdam.update = counted
+    g = torch.Generator().manual_seed(rank)
+    losses, first = [], None
+    for step in range(3):
+        ids = torch.randint(0, 256, (2, 32), generator=g)
+        loss = emodel(input_ids=ids, labels=ids).loss
+        opt.backward(loss)
+        opt.clip_grad_norm_(1.0)
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(loss))
+        if step == 0:
+            first = {i: c.master.clone() for i, c in enumerate(emodel.chunks) if not c.frozen}
+    casts = all(torch.equal(c.shard, c.master.to(c.shard.dtype)) for c in emodel.chunks if not c.master_aliased)
+    return {"first": first, "losses": losses, "casts": casts, "one_pass_calls": calls[0],
+            "copies": sum(not c.master_aliased for c in emodel.chunks), "said": emodel.time_report()["host_kernel"]}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offloaded_training_writes_the_copy_in_the_update(fresh_cache: Path, world_size: int) -> None:
+    """The same run with the one-pass loop and with PyTorch's kernel and a cast: after the
+    first step (same gradients on both) every master agrees within the loop's tolerance;
+    every compute-dtype shard is always its master's cast; the losses of later steps, whose
+    forward reads bf16 copies of masters that may differ in the last fp32 bit, stay within
+    bf16's resolution."""
+    one_pass = run_distributed(_train, world_size, "c")
+    torch_path = run_distributed(_train, world_size, "torch")
+    for ours, theirs in zip(one_pass, torch_path):
+        assert ours["copies"] > 0 and ours["one_pass_calls"] > 0 and theirs["one_pass_calls"] == 0
+        assert ours["said"].startswith("one-pass loop") and f"{KERNEL_ENV}=torch" in theirs["said"]
+        assert ours["casts"] and theirs["casts"]
+        for index, master in theirs["first"].items():
+            worst = ((ours["first"][index] - master).abs().max() / master.abs().max().clamp_min(1e-30)).item()
+            assert worst <= host_kernel.TOLERANCE, (index, worst)
+        assert ours["losses"][0] == theirs["losses"][0]
+        for a, b in zip(ours["losses"], theirs["losses"]):
+            assert abs(a - b) <= 2 ** -7 * abs(b), (ours["losses"], theirs["losses"])
