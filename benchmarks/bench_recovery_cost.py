@@ -133,31 +133,42 @@ def recovery_code_timed(spent: list[float]) -> Iterator[None]:
             setattr(owner, name, fn)
 
 
+def pooled(blocks: list[dict], arms) -> dict:
+    """Blocks of paired steps, with each arm's step times and losses pooled over them."""
+    return {"blocks": blocks,
+            "step_times_s": {arm: [t for b in blocks for t in b["step_times_s"][arm]] for arm in arms},
+            "losses": {arm: [v for b in blocks for v in b["losses"][arm]] for arm in arms}}
+
+
 def paired_steps(args, model_name: str) -> dict:
     """Two blocks (the recovering runtime built first, then second), their pairs pooled."""
     blocks = [paired_block(args, model_name, order) for order in (list(ARMS), list(reversed(ARMS)))]
-    return {"blocks": blocks,
-            "step_times_s": {arm: [t for b in blocks for t in b["step_times_s"][arm]] for arm in ARMS},
-            "losses": {arm: [v for b in blocks for v in b["losses"][arm]] for arm in ARMS},
-            "direct_ms_per_step": statistics.mean(b["direct_ms_per_step"] for b in blocks)}
+    return {**pooled(blocks, ARMS), "direct_ms_per_step": statistics.mean(b["direct_ms_per_step"] for b in blocks)}
 
 
-def worker(rank: int, world: int, port: int, args, queue, systems=None) -> None:
+def paired_worker(rank: int, world: int, port: int, args, queue, per_model, arms) -> None:
+    """One rank of a paired run over gloo: ``per_model(args, model_name)`` for each model
+    (its pooled blocks); rank 0 prints each arm's median step and puts the results on
+    ``queue``."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, args.threads))
     apply_host_memory_setting(args)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     results = {}
     for model_name in args.models:
-        results[model_name] = paired_steps(args, model_name)
+        results[model_name] = per_model(args, model_name)
         if rank == 0:
             t = results[model_name]["step_times_s"]
-            print(f"{model_name:10s} median step with recovery {statistics.median(t['with_recovery']):.3f} s, "
-                  f"without {statistics.median(t['without_recovery']):.3f} s", flush=True)
+            print(f"{model_name:10s} median step: " + ", ".join(f"{arm} {statistics.median(t[arm]):.3f} s"
+                                                                 for arm in arms), flush=True)
     if rank == 0:
         queue.put(results)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def worker(rank: int, world: int, port: int, args, queue, systems=None) -> None:
+    paired_worker(rank, world, port, args, queue, paired_steps, ARMS)
 
 
 def bootstrap_median(values: list[float], rounds: int = 2000, seed: int = 0) -> tuple[float, float]:

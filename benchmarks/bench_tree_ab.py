@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -47,9 +46,8 @@ import torch
 import torch.distributed as dist
 
 from bench_planner import MODELS, build
-from bench_recovery_cost import bootstrap_median
-from bench_step import (PACK_SIZE, RESULTS, add_host_memory_option, apply_host_memory_setting, batch_for,
-                        elixir_step, launch, timed_step)
+from bench_recovery_cost import bootstrap_median, paired_worker, pooled
+from bench_step import PACK_SIZE, RESULTS, add_host_memory_option, batch_for, elixir_step, launch, timed_step
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_PACKAGE = "hf_elixir_base"
@@ -103,28 +101,14 @@ def paired_block(args, model_name: str, build_order: tuple[str, ...]) -> dict:
     return {"build_order": list(build_order), "step_times_s": times, "losses": losses}
 
 
+def paired_steps(args, model_name: str) -> dict:
+    """Two blocks (this tree's runtime built first, then second), their pairs pooled."""
+    return pooled([paired_block(args, model_name, order) for order in (ARMS, tuple(reversed(ARMS)))], ARMS)
+
+
 def worker(rank: int, world: int, port: int, args, queue, systems=None) -> None:
-    sys.path.insert(0, args.base_dir)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(max(1, args.threads))
-    apply_host_memory_setting(args)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    results = {}
-    for model_name in args.models:
-        blocks = [paired_block(args, model_name, order) for order in (ARMS, tuple(reversed(ARMS)))]
-        results[model_name] = {
-            "blocks": blocks,
-            "step_times_s": {arm: [t for b in blocks for t in b["step_times_s"][arm]] for arm in ARMS},
-            "losses": {arm: [v for b in blocks for v in b["losses"][arm]] for arm in ARMS},
-        }
-        if rank == 0:
-            t = results[model_name]["step_times_s"]
-            print(f"{model_name:10s} median step: this tree {statistics.median(t['this_tree']):.3f} s, "
-                  f"base {statistics.median(t['base']):.3f} s", flush=True)
-    if rank == 0:
-        queue.put(results)
-    dist.barrier()
-    dist.destroy_process_group()
+    sys.path.insert(0, args.base_dir)  # the base revision imports from its scratch folder
+    paired_worker(rank, world, port, args, queue, paired_steps, ARMS)
 
 
 def summarise(results: dict) -> dict:
