@@ -59,8 +59,10 @@ class HardwareProfile:
             rate was measured with realistic sizes).
         device_memory_bandwidth: device memory bandwidth, B/s (device-side copies).
         device_adam_throughput: fused AdamW on the device, parameters/s.
-        cpu_adam_throughput: vectorised CPU AdamW, parameters/s for the whole host (shared by
-            the node's ranks).
+        cpu_adam_throughput: the host's update of offloaded optimizer state, parameters/s for
+            the whole host (shared by the node's ranks). Calibrated on a GPU machine it is all
+            the host does per offloaded parameter in a step (``measure/host_rate.py``);
+            presets give a vectorised CPU AdamW's rate.
         cpu_memory: host memory per node the plan may use, bytes (the host-memory budget:
             offloaded state counts against it for all the node's ranks together). Presets give
             the node's memory; ``detect()`` on a GPU machine what the host has available now.

@@ -189,3 +189,32 @@ def test_offloaded_training_writes_the_copy_in_the_update(fresh_cache: Path, wor
         assert ours["losses"][0] == theirs["losses"][0]
         for a, b in zip(ours["losses"], theirs["losses"]):
             assert abs(a - b) <= 2 ** -7 * abs(b), (ours["losses"], theirs["losses"])
+
+
+@pytest.mark.parametrize("kernel", ["c", "torch"])
+def test_the_calibration_times_the_hosts_step_with_the_runtimes_update(fresh_cache: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch,
+                                                                        kernel: str) -> None:
+    """``host_rate.host_update_rate`` (a GPU machine's ``cpu_adam_throughput``) runs what the
+    runtime's host runs per offloaded element: the one-pass loop where it is usable, else
+    PyTorch's kernel, each timed call with the gradient's add, clipping and zeroing around it."""
+    from hf_elixir.measure import host_rate
+
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    calls = {"one_pass": 0, "torch": 0}
+    one_pass, torch_update = OnePassAdam.update, host_rate.apply_update
+
+    def counted_one_pass(self, *args, **kwargs):
+        calls["one_pass"] += 1
+        return one_pass(self, *args, **kwargs)
+
+    def counted_torch(*args, **kwargs):
+        calls["torch"] += 1
+        return torch_update(*args, **kwargs)
+
+    monkeypatch.setattr(OnePassAdam, "update", counted_one_pass)
+    monkeypatch.setattr(host_rate, "apply_update", counted_torch)
+    rate = host_rate.host_update_rate(1 << 16, threads=1)
+    assert rate > 0
+    used, unused = ("one_pass", "torch") if kernel == "c" else ("torch", "one_pass")
+    assert calls[used] >= 4 and calls[unused] == 0, calls

@@ -17,7 +17,8 @@ that is what is measured here, rather than a peak matmul rate:
   and the loss) at three shapes, measured and then priced from its own meta trace with the
   figures above; the ratio is ``efficiency``, the correction the cost model applies to what
   the per-operator figures miss;
-- **the optimizer kernel the runtime uses** (fused AdamW over views of one flat shard);
+- **the optimizer kernel the runtime uses** (fused AdamW over views of one flat shard) and,
+  on a GPU machine, **the host's whole work per offloaded element** (``host_rate.py``);
 - **the runtime's own collectives** (``hf_elixir.runtime.comm.Collectives``) between two
   local processes at chunk-sized buffers, all-gather and gradient reduction separately
   (on gloo they are different algorithms).

@@ -15,7 +15,9 @@ import torch
 
 from hf_elixir.hardware import MEASURED, STEAL_WARNING, HardwareProfile, cache_path
 from hf_elixir.measure import calibrate as cal
+from hf_elixir.measure.host_rate import host_update_rate
 from hf_elixir.measure.steal import StealMeter
+from hf_elixir.runtime.threads import host_threads
 
 
 def calibrate_machine(output: str | Path | None = None, quick: bool = False, save: bool = True) -> HardwareProfile:
@@ -70,7 +72,10 @@ def measure_machine(quick: bool = False) -> HardwareProfile:
                 prof.matmul_flops[name] = 0.0
     prof.matmul_efficiency = 1.0
     prof.device_adam_throughput = whole.adam_rate
-    prof.cpu_adam_throughput = cal.adam_rate(torch.device("cpu"), (1 if quick else 8) * 2**20)
+    if cuda:  # the host's whole share of an offloaded element's step, as the runtime runs it
+        prof.cpu_adam_throughput = host_update_rate((1 if quick else 8) * 2**20, host_threads())
+    else:
+        prof.cpu_adam_throughput = cal.adam_rate(torch.device("cpu"), (1 if quick else 8) * 2**20)
 
     # ... and two at once: per-rank compute on a shared CPU, the runtime's collectives
     pair = cal.measure_pair(quick=quick)

@@ -1,0 +1,47 @@
+"""What the host does per offloaded element in a GPU step, timed as the runtime runs it.
+
+The planner prices a GPU machine's offloaded updates at ``cpu_adam_throughput``. Priced as
+the AdamW kernel alone, it left out about half the bytes the host moves for each offloaded
+parameter: the downloaded gradient's add into the fp32 shard, the clipping norm and scaling,
+the compute-dtype copy, the zeroing. A calibration on a GPU machine times all of it here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_elixir.measure.calibrate import median_time
+from hf_elixir.runtime.host_kernel import OnePassAdam
+from hf_elixir.runtime.threads import using_threads
+from hf_elixir.runtime.update import apply_update
+
+
+def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16) -> float:
+    """Elements/s of everything the host does, per element of an offloaded chunk, in a step
+    on a GPU, with the runtime's own kernels and the threads its host update uses
+    (``runtime/threads.py``): the downloaded compute-dtype gradient added into the fp32
+    gradient shard (``reduce.py``), the clipping norm and scaling (``grad_shards.py``), the
+    update with its compute-dtype copy (``host_kernel.py``'s one-pass loop, or PyTorch's
+    fused kernel and a cast where the loop is not usable), and the zeroing of the gradient
+    shard."""
+    group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+    master, grad, m, v = (torch.zeros(elems) for _ in range(4))
+    master.normal_()
+    staging = torch.randn(elems).to(compute_dtype)  # what a download leaves (pinned on a GPU machine)
+    batch = {"params": [master], "grads": [grad], "exp_avg": [m], "exp_avg_sq": [v], "steps": [torch.zeros(())]}
+    one_pass = OnePassAdam(threads)
+    loop = one_pass if one_pass.usable else None
+
+    def host_step() -> None:
+        grad.add_(staging)
+        coef = torch.clamp(1.0 / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
+        grad.mul_(coef)
+        if loop is not None:
+            loop.update("adamw", group, batch, [staging])
+        else:
+            apply_update("adamw", group, master.device, batch, set())
+            staging.copy_(master)
+        grad.zero_()
+
+    with using_threads(threads):
+        return elems / median_time(host_step, repeat=5)
