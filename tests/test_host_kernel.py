@@ -102,6 +102,44 @@ def test_the_copy_rounds_as_pytorch_casts(fresh_cache: Path) -> None:
     assert torch.equal(copy[~nan].view(torch.int16), expected[~nan].view(torch.int16)), (copy, expected)
 
 
+def test_the_loop_lets_other_threads_run(fresh_cache: Path) -> None:
+    """The host thread's update must not stop the main thread, which drives the next
+    forward. With the interpreter's thread switching all but off, the main thread, blocked
+    until the update thread enters the loop, can run again before the loop returns only if
+    the call released the GIL: it then sees the update thread still inside the call."""
+    import ctypes
+    import sys
+    import threading
+
+    runner = OnePassAdam(1)
+    assert runner.usable, runner.why_not
+    lib = runner._library()[0]
+    n = 1 << 24  # a tenth of a second or more: ample for the main thread to be scheduled
+    param, grad, exp_avg, exp_avg_sq = torch.randn(n), torch.randn(n), torch.zeros(n), torch.zeros(n)
+    copy = torch.empty(n, dtype=torch.bfloat16)
+    s = host_kernel._scalars(GROUP, 1.0, True)
+    inside, started = [False], threading.Event()
+
+    def update() -> None:
+        inside[0] = True
+        started.set()
+        lib.hf_elixir_adam(param.data_ptr(), grad.data_ptr(), exp_avg.data_ptr(), exp_avg_sq.data_ptr(),
+                           copy.data_ptr(), ctypes.c_int64(n), s.data_ptr(), 0, 2, 1, 0)
+        inside[0] = False
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1000.0)
+    try:
+        worker = threading.Thread(target=update)
+        worker.start()
+        started.wait()  # blocked, without the GIL, until the update thread is at the call
+        ran_during_the_call = inside[0]
+        worker.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert ran_during_the_call
+
+
 def test_without_a_compiler_the_optimizer_keeps_pytorchs_kernel(fresh_cache: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", str(fresh_cache / "no-such-compiler"))
