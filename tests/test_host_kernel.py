@@ -256,3 +256,15 @@ def test_the_calibration_times_the_hosts_step_with_the_runtimes_update(fresh_cac
     assert rate > 0
     used, unused = ("one_pass", "torch") if kernel == "c" else ("torch", "one_pass")
     assert calls[used] >= 4 and calls[unused] == 0, calls
+
+
+def test_a_view_the_loop_cannot_read_flat_is_refused(fresh_cache: Path) -> None:
+    """The loop reads raw pointers: a strided view would have it write past the run. It is
+    refused before anything changes, the step count included."""
+    runner = OnePassAdam(1)
+    flat = torch.zeros(64)
+    b = {"params": [flat[::2]], "grads": [torch.zeros(32)], "exp_avg": [torch.zeros(32)],
+         "exp_avg_sq": [torch.zeros(32)], "steps": [torch.zeros(())]}
+    with pytest.raises(RuntimeError, match="contiguous CPU views"):
+        runner.update("adamw", GROUP, b, [None])
+    assert torch.equal(flat, torch.zeros(64)) and float(b["steps"][0]) == 0.0  # refused before any change

@@ -211,6 +211,7 @@ class OnePassAdam:
         if self._mode not in ("", "c", "torch"):
             raise ValueError(f"{KERNEL_ENV} must be 'c' (the default) or 'torch', got {self._mode!r}")
         self._pool: Optional[ThreadPoolExecutor] = None
+        self._pool_pid = 0  # a forked child has the pool object but none of its threads
 
     @property
     def usable(self) -> bool:
@@ -247,6 +248,8 @@ class OnePassAdam:
         None), all in one pass."""
         lib = self._library()[0]
         assert lib is not None, "OnePassAdam.update called where it is not usable"
+        for i in range(len(b["params"])):  # all of them before anything changes
+            _check_views(b["params"][i], b["grads"][i], b["exp_avg"][i], b["exp_avg_sq"][i], outs[i])
         torch._foreach_add_(b["steps"], 1)
         decoupled = algorithm == "adamw"
         maximize = bool(group.get("maximize", False))
@@ -263,10 +266,7 @@ class OnePassAdam:
              exp_avg_sq: torch.Tensor, out: Optional[torch.Tensor], s: torch.Tensor, decoupled: bool,
              maximize: bool) -> None:
         n = param.numel()
-        for t in (param, exp_avg, exp_avg_sq):
-            assert t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
-        assert grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == n
-        assert out is None or (out.dtype in COPY_DTYPES and out.is_contiguous() and out.numel() == n)
+        _check_views(param, grad, exp_avg, exp_avg_sq, out)
         flags = (int(grad.dtype == torch.bfloat16), _OUT_KIND[None if out is None else out.dtype], int(decoupled),
                  int(maximize))
         threads = min(self.threads, torch.get_num_threads())
@@ -280,17 +280,32 @@ class OnePassAdam:
                                     exp_avg.data_ptr() + 4 * lo, exp_avg_sq.data_ptr() + 4 * lo,
                                     None if out is None else out.data_ptr() + out.element_size() * lo,
                                     hi - lo, s.data_ptr(), *flags)
-            assert rc == 0, "hf_elixir_adam was called with flags it does not know"
+            if rc != 0:
+                raise RuntimeError(f"hf_elixir: the one-pass host Adam does not know the flags {flags}")
 
         if len(bounds) == 1:
             part(*bounds[0])
             return
-        if self._pool is None:
+        if self._pool is None or self._pool_pid != os.getpid():
             self._pool = ThreadPoolExecutor(max_workers=self.threads - 1, thread_name_prefix="hf_elixir_host_adam")
+            self._pool_pid = os.getpid()
         futures = [self._pool.submit(part, lo, hi) for lo, hi in bounds[1:]]
         part(*bounds[0])
         for future in futures:
             future.result()
+
+
+def _check_views(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 out: Optional[torch.Tensor]) -> None:
+    """The loop reads raw pointers: a view it cannot read as flat memory would be corrupted."""
+    n = param.numel()
+    ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
+             for t in (param, exp_avg, exp_avg_sq))
+    ok = ok and grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == n
+    ok = ok and (out is None or (out.dtype in COPY_DTYPES and out.is_contiguous() and out.numel() == n))
+    if not ok:
+        raise RuntimeError("hf_elixir: the one-pass host Adam takes contiguous CPU views of one length: fp32 "
+                           "weights and moments, an fp32 or bf16 gradient, an fp32 or bf16 copy")
 
 
 def check(lib: ctypes.CDLL) -> Optional[str]:
