@@ -203,19 +203,25 @@ def summarise(results: dict) -> dict:
     return summary
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_paired_options(p: argparse.ArgumentParser) -> None:
+    """The options of a paired run: its models, ranks, batch, pairs and threads, and the
+    allocator setting every arm shares."""
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--pairs", type=int, default=24, help="timed steps of each runtime per block (two blocks)")
-    p.add_argument("--direct-steps", type=int, default=4, help="steps with recovery's own code timed")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    add_host_memory_option(p)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_paired_options(p)
+    p.add_argument("--direct-steps", type=int, default=4, help="steps with recovery's own code timed")
     p.add_argument("--control", action="store_true",
                    help="an A/A run: both runtimes without recovery, to show the harness's own spread")
-    add_host_memory_option(p)
     p.add_argument("--output", type=Path, default=None,
                    help="default: results/bench_recovery_cost.json (bench_recovery_cost_control.json with --control)")
     args = p.parse_args()

@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_planner import MODELS, build
-from bench_recovery_cost import bootstrap_median, paired_worker, pooled
-from bench_step import PACK_SIZE, RESULTS, add_host_memory_option, batch_for, elixir_step, launch, timed_step
+from bench_planner import build
+from bench_recovery_cost import add_paired_options, bootstrap_median, paired_worker, pooled
+from bench_step import PACK_SIZE, RESULTS, batch_for, elixir_step, launch, timed_step
 
 ROOT = Path(__file__).resolve().parent.parent
 BASE_PACKAGE = "hf_elixir_base"
@@ -136,14 +136,7 @@ def summarise(results: dict) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the revision to compare against (a commit, tag or branch)")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--seq-len", type=int, default=128)
-    p.add_argument("--warmup", type=int, default=2)
-    p.add_argument("--pairs", type=int, default=24, help="timed steps of each runtime per block (two blocks)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    add_host_memory_option(p)
+    add_paired_options(p)
     p.add_argument("--output", type=Path, default=RESULTS / "bench_tree_ab.json")
     args = p.parse_args()
     if args.global_batch % args.world_size:
