@@ -55,14 +55,14 @@ ARMS = ("this_tree", "base")
 _SELF_NAME = re.compile(r"\bhf_elixir\b")
 
 
-def materialize_base(revision: str, into: Path) -> str:
-    """Write the package as committed at ``revision`` into ``into``/hf_elixir_base, its
-    references to its own name renamed; returns the revision's full hash."""
-    commit = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=ROOT,
+def materialize_base(revision: str, into: Path, repo: Path = ROOT) -> str:
+    """Write the package as committed at ``revision`` of ``repo`` into ``into``/hf_elixir_base,
+    its references to its own name renamed; returns the revision's full hash."""
+    commit = subprocess.run(["git", "rev-parse", "--verify", f"{revision}^{{commit}}"], cwd=repo,
                             capture_output=True, text=True)
     if commit.returncode != 0:
         raise SystemExit(f"--base {revision!r} is not a commit of this repository: {commit.stderr.strip()}")
-    archive = subprocess.run(["git", "archive", "--format=tar", commit.stdout.strip(), "hf_elixir"], cwd=ROOT,
+    archive = subprocess.run(["git", "archive", "--format=tar", commit.stdout.strip(), "hf_elixir"], cwd=repo,
                              capture_output=True, check=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(into, filter="data")
