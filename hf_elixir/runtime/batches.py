@@ -114,3 +114,16 @@ class UpdateBatches:
         for index in slots:
             self.steps[index] = shared
         return shared
+
+
+def uncovered(covered: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
+    """The stretches of ``[0, size)`` (a shard) that no range of ``covered`` (runs, as
+    ``ranges`` holds them) includes: what a one-pass update left to copy."""
+    out, at = [], 0
+    for lo, hi in sorted(covered):
+        if lo > at:
+            out.append((at, lo))
+        at = max(at, hi)
+    if at < size:
+        out.append((at, size))
+    return out

@@ -124,10 +124,6 @@ _OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
 #: the compute dtypes the loop writes a copy in
 COPY_DTYPES = frozenset((torch.float32, torch.bfloat16))
 
-# the scalars of one call; each is computed in double precision and rounded once, as
-# PyTorch's kernel takes them (``1 - beta2`` rounded from a rounded ``beta2`` is 5e-5 off)
-_DECAY, _ONE_MINUS_BETA1, _BETA2, _ONE_MINUS_BETA2, _EPS, _STEP_SIZE, _BC2_SQRT = range(7)
-
 
 class KernelUnavailable(RuntimeError):
     """The one-pass loop cannot be built or loaded here (the reason is the message)."""
@@ -189,8 +185,11 @@ def _load(path: Path) -> ctypes.CDLL:
 
 
 def _scalars(group: dict, step: float, decoupled: bool) -> torch.Tensor:
-    """The scalars of one call at ``step`` (the count after this update); ``_DECAY`` is AdamW's
-    factor ``1 - lr * weight_decay``, or Adam's ``weight_decay``."""
+    """The scalars of one call at ``step`` (the count after this update), in the order the
+    loop reads ``s``: AdamW's factor ``1 - lr * weight_decay`` (Adam's ``weight_decay``),
+    ``1 - beta1``, ``beta2``, ``1 - beta2``, ``eps``, the step size and the square root of
+    the second bias correction. Each is computed in double precision and rounded once, as
+    PyTorch's kernel takes them (``1 - beta2`` rounded from a rounded ``beta2`` is 5e-5 off)."""
     beta1, beta2 = (float(b) for b in group["betas"])
     lr, decay = float(group["lr"]), float(group["weight_decay"])
     return torch.tensor([1 - lr * decay if decoupled else decay, 1 - beta1, beta2, 1 - beta2, float(group["eps"]),

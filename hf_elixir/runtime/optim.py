@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from hf_elixir.runtime.batches import UpdateBatches
+from hf_elixir.runtime.batches import UpdateBatches, uncovered
 from hf_elixir.runtime.chunk import Chunk, Slot
 from hf_elixir.runtime import grad_shards
 from hf_elixir.runtime.host_kernel import COPY_DTYPES, OnePassAdam
@@ -450,11 +450,8 @@ class ElixirOptimizer(Optimizer):
         for i, key in enumerate(order):
             if key[0] in host_state:  # merged device-state batches (chunk -1) are on the device
                 start = clock.now()
-                chunk = self.module.chunks[key[0]]
-                outs = self._copy_views(chunk, batches[key])
-                self._update(self.param_groups[key[1]], key[2], batches[key], outs=outs)
-                if outs is not None:
-                    covered += batches[key]["ranges"]
+                covered += self._host_update(self.module.chunks[key[0]], self.param_groups[key[1]], key[2],
+                                             batches[key])
                 clock.host_phase("cpu_optimizer", start)
             else:
                 mark = clock.mark()
@@ -519,10 +516,7 @@ class ElixirOptimizer(Optimizer):
             covered[cid] = []
             for k in by_chunk[cid]:
                 b = batches[k] if cid not in loaded else batch_views(batches[k], chunks[cid].master, loaded[cid])
-                outs = self._copy_views(chunks[cid], b)
-                self._update(groups[k[1]], k[2], b, outs=outs)
-                if outs is not None:
-                    covered[cid] += b["ranges"]
+                covered[cid] += self._host_update(chunks[cid], groups[k[1]], k[2], b)
 
         def done(cid: int) -> None:
             views = loaded.pop(cid, None)
@@ -540,6 +534,13 @@ class ElixirOptimizer(Optimizer):
         # nothing updated: nothing to publish (as inside step())
         return [(cid, lambda c=cid: run(c), (lambda c=cid: done(c)) if by_chunk[cid] else (lambda: None))
                 for cid in order]
+
+    def _host_update(self, chunk: Chunk, group: dict, device: torch.device, b: dict[str, list]) -> list[tuple]:
+        """One batch of a host-state chunk; returns the ranges of the shard whose
+        compute-dtype copy the update wrote too (none where the one-pass loop is not used)."""
+        outs = self._copy_views(chunk, b)
+        self._update(group, device, b, outs=outs)
+        return [] if outs is None else list(b["ranges"])
 
     def _copy_views(self, chunk: Chunk, b: dict[str, list]) -> Optional[list[torch.Tensor]]:
         """Where the one-pass update writes the compute-dtype copy of ``b``'s runs (views of
@@ -586,15 +587,3 @@ class ElixirOptimizer(Optimizer):
             self.one_pass.update(self.algorithm, group, b, outs)
             return
         apply_update(self.algorithm, group, device, b, self._momentum_started)
-
-
-def uncovered(covered: Sequence[tuple[int, int]], size: int) -> list[tuple[int, int]]:
-    """The stretches of ``[0, size)`` that no range of ``covered`` includes."""
-    out, at = [], 0
-    for lo, hi in sorted(covered):
-        if lo > at:
-            out.append((at, lo))
-        at = max(at, hi)
-    if at < size:
-        out.append((at, size))
-    return out
