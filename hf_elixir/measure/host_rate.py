@@ -8,22 +8,29 @@ the compute-dtype copy, the zeroing. A calibration on a GPU machine times all of
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from hf_elixir.measure.calibrate import median_time
 from hf_elixir.runtime.host_kernel import OnePassAdam
 from hf_elixir.runtime.threads import using_threads
 from hf_elixir.runtime.update import apply_update
+from hf_elixir.runtime.widen import add_widened
 
 
-def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16) -> float:
+def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16,
+                     add: Callable[[torch.Tensor, torch.Tensor], None] = add_widened) -> float:
     """Elements/s of everything the host does, per element of an offloaded chunk, in a step
     on a GPU, with the runtime's own kernels and the threads its host update uses
     (``runtime/threads.py``): the downloaded compute-dtype gradient added into the fp32
-    gradient shard (``reduce.py``), the clipping norm and scaling (``grad_shards.py``), the
-    update with its compute-dtype copy (``host_kernel.py``'s one-pass loop, or PyTorch's
-    fused kernel and a cast where the loop is not usable), and the zeroing of the gradient
-    shard."""
+    gradient shard (``reduce.py``, through ``widen.py``), the clipping norm and scaling
+    (``grad_shards.py``), the update with its compute-dtype copy (``host_kernel.py``'s
+    one-pass loop, or PyTorch's fused kernel and a cast where the loop is not usable), and
+    the zeroing of the gradient shard.
+
+    ``add``: how the gradient is added in (``benchmarks/bench_host_step.py`` passes
+    PyTorch's plain mixed-dtype add, to show what the runtime's saves)."""
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     master, grad, m, v = (torch.zeros(elems) for _ in range(4))
     master.normal_()
@@ -33,7 +40,7 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
     loop = one_pass if one_pass.usable else None
 
     def host_step() -> None:
-        grad.add_(staging)
+        add(grad, staging)
         coef = torch.clamp(1.0 / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
         grad.mul_(coef)
         if loop is not None:

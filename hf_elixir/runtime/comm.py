@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from hf_elixir.planner.traffic import COLLECTIVES_ENV, CommCounter, host_collectives
 from hf_elixir.runtime.schedule import Schedule
+from hf_elixir.runtime.widen import add_widened
 
 
 class _WaitAll:
@@ -84,7 +85,7 @@ def _accumulate(target: torch.Tensor, source: torch.Tensor, scale: float, counte
         counter.add("device_to_host" if target.device.type == "cpu" else "host_to_device",
                     source.numel() * source.element_size())
         source = source.to(target.device, non_blocking=target.device.type != "cpu")
-    target.add_(source, alpha=scale)
+    add_widened(target, source, alpha=scale)
 
 
 __all__ = ["COLLECTIVES_ENV", "Collectives", "CommCounter", "Work"]

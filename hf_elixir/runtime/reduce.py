@@ -42,6 +42,7 @@ from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.schedule import END_BACKWARD
 from hf_elixir.runtime.timing import StepClock
+from hf_elixir.runtime.widen import add_widened
 
 #: what the last element of the end-of-backward all-reduce says (the maximum over ranks wins)
 HEALTHY, REPLAN, FAILED = 0, 1, 2
@@ -183,7 +184,7 @@ class GradReducer:
         self._settled(chunk)
         self._seen[slot.index] = 1
         if chunk.direct_grads:
-            chunk.grad_shard[slot.offset : slot.offset + slot.numel].add_(grad.reshape(-1))
+            add_widened(chunk.grad_shard[slot.offset : slot.offset + slot.numel], grad.reshape(-1))
             return
         if chunk.reduced:  # a second gradient for a chunk that already went (rare)
             self.late.add(chunk.index)
@@ -263,9 +264,9 @@ class GradReducer:
         for chunk in self.downloads:
             if chunk.disk:
                 with self.disk_grads.opened(chunk.index) as grad:
-                    grad.add_(chunk.staging)
+                    add_widened(grad, chunk.staging)
             else:
-                chunk.grad_shard.add_(chunk.staging)
+                add_widened(chunk.grad_shard, chunk.staging)
         self.downloads.clear()
         clock.host_phase("host_copies", start)
 

@@ -1,0 +1,110 @@
+"""The host's whole share of an offloaded step, with the runtime's gradient add and PyTorch's.
+
+    python benchmarks/bench_host_step.py                  # 8M elements, 1 thread and every core
+    python benchmarks/bench_host_step.py --quick          # 1M elements, fewer repeats (a check)
+
+On a GPU machine, each offloaded element costs the host more than its optimizer update: the
+downloaded compute-dtype (bf16) gradient is added into the fp32 gradient shard, the shard is
+clipped (a norm, a scaling), updated with its bf16 copy written, and zeroed. The add was the
+largest of these: PyTorch's in-place add of a bf16 tensor into an fp32 one takes a slow
+mixed-dtype path. The runtime widens the gradient a block at a time and adds in fp32
+(``runtime/widen.py``), with the same result bit for bit.
+
+Measured here, at each thread count, alternating the two so that a busy moment of the machine
+hits both:
+
+- ``add``: the gradient's add alone, PyTorch's (``torch_mixed``) and the runtime's
+  (``hf_elixir``), milliseconds;
+- ``host_step``: elements per second of the host's whole step as the planner's calibration
+  times it (``measure/host_rate.py``: the add, the clipping, the one-pass update, the zeroing),
+  with each add.
+
+Results go to ``benchmarks/results/bench_host_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from hf_elixir.measure.host_rate import host_update_rate
+from hf_elixir.runtime.threads import usable_cores, using_threads
+from hf_elixir.runtime.widen import add_widened
+
+RESULTS = Path(__file__).resolve().parent / "results" / "bench_host_step.json"
+
+
+def torch_mixed(target: torch.Tensor, source: torch.Tensor) -> None:
+    """PyTorch's own in-place add of a narrower tensor."""
+    target.add_(source)
+
+
+ADDS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"torch_mixed": torch_mixed, "hf_elixir": add_widened}
+
+
+def time_add(add: Callable[[torch.Tensor, torch.Tensor], None], target: torch.Tensor, source: torch.Tensor) -> float:
+    start = time.perf_counter()
+    add(target, source)
+    return time.perf_counter() - start
+
+
+def measure(elems: int, threads: int, repeats: int) -> dict:
+    target = torch.zeros(elems)
+    source = torch.randn(elems).to(torch.bfloat16)
+    check = {name: torch.zeros(elems) for name in ADDS}
+    for name, add in ADDS.items():
+        add(check[name], source)
+    equal = torch.equal(check["torch_mixed"].view(torch.int32), check["hf_elixir"].view(torch.int32))
+    adds: dict[str, list[float]] = {name: [] for name in ADDS}
+    steps: dict[str, list[float]] = {name: [] for name in ADDS}
+    with using_threads(threads):
+        for name, add in ADDS.items():  # warm-up
+            time_add(add, target, source)
+        for _ in range(repeats):
+            for name, add in ADDS.items():
+                adds[name].append(time_add(add, target, source))
+        for _ in range(max(1, repeats // 3)):
+            for name, add in ADDS.items():
+                steps[name].append(host_update_rate(elems, threads, add=add))
+    add_ms = {name: statistics.median(v) * 1e3 for name, v in adds.items()}
+    step_rate = {name: statistics.median(v) for name, v in steps.items()}
+    return {"threads": threads, "elements": elems, "bit_equal": equal, "add_ms": add_ms,
+            "host_step_elements_per_s": step_rate,
+            "add_speedup": add_ms["torch_mixed"] / add_ms["hf_elixir"],
+            "host_step_speedup": step_rate["hf_elixir"] / step_rate["torch_mixed"]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, nargs="+", default=sorted({1, usable_cores()}))
+    p.add_argument("--elements", type=int, default=8 << 20)
+    p.add_argument("--repeats", type=int, default=15)
+    p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats (a check, not a figure)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    args = p.parse_args()
+    if args.quick:
+        args.elements, args.repeats = 1 << 20, 3
+    rows = []
+    for threads in args.threads:
+        row = measure(args.elements, threads, args.repeats)
+        rows.append(row)
+        print(f"{threads:2d} thread(s), {args.elements / 2**20:.0f}M elements: add {row['add_ms']['torch_mixed']:.1f} ms "
+              f"(PyTorch) vs {row['add_ms']['hf_elixir']:.1f} ms (hf_elixir), {row['add_speedup']:.2f}x; host step "
+              f"{row['host_step_elements_per_s']['torch_mixed'] / 1e6:.0f} vs "
+              f"{row['host_step_elements_per_s']['hf_elixir'] / 1e6:.0f} M elements/s, {row['host_step_speedup']:.2f}x; "
+              f"bit equal: {row['bit_equal']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
+                                                "cores": usable_cores(), "torch": torch.__version__},
+                                    "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

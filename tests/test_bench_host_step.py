@@ -1,0 +1,26 @@
+"""benchmarks/bench_host_step.py in its quick mode: both adds give the same bits, and the JSON
+holds every figure, per thread count. Timings are not asserted (a benchmark's job)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_run_times_both_adds_and_both_host_steps(tmp_path: Path) -> None:
+    out = tmp_path / "bench_host_step.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_host_step.py"), "--quick",
+                           "--threads", "1", "2", "--out", str(out)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["threads"] for row in rows] == [1, 2]
+    for row in rows:
+        assert row["bit_equal"] is True and row["elements"] == 1 << 20
+        for field in ("add_ms", "host_step_elements_per_s"):
+            assert set(row[field]) == {"torch_mixed", "hf_elixir"} and min(row[field].values()) > 0
+        assert row["add_speedup"] > 0 and row["host_step_speedup"] > 0
