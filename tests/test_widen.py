@@ -39,11 +39,13 @@ def test_a_slice_of_a_shard_is_added_where_it_lies() -> None:
 
 
 def test_other_cases_take_the_plain_add(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Equal dtypes, small or multi-dimensional tensors, and devices other than the CPU are
-    added in one call; only the widening case allocates its scratch."""
+    """A source as wide as the target or wider, small or multi-dimensional tensors, and
+    devices other than the CPU are added in one call; only a widening allocates a scratch."""
     big = widen.BLOCK + 1
     cases = [  # made first: a meta tensor's factory calls torch.empty itself
         (torch.zeros(big), torch.ones(big)),                                   # same dtype
+        (torch.zeros(big, dtype=torch.bfloat16), torch.ones(big)),             # a narrower target
+        (torch.zeros(big, dtype=torch.bfloat16), torch.ones(big, dtype=torch.float16)),
         (torch.zeros(widen.SMALL - 1), torch.ones(widen.SMALL - 1, dtype=torch.bfloat16)),
         (torch.zeros(2, big), torch.ones(2, big, dtype=torch.bfloat16)),       # not flat
         (torch.zeros(big, device="meta"), torch.ones(big, dtype=torch.bfloat16, device="meta")),

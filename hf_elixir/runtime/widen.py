@@ -9,8 +9,9 @@ there. The result is the mixed add's bit for bit: widening bf16 or fp16 to fp32 
 and both ways then add (``target + alpha * source``) in fp32, rounding once; the tests hold
 it to that for several ``alpha``.
 
-Devices other than the CPU, equal dtypes and small tensors (where two kernel calls cost
-more than the slow path saves) take the plain add.
+Devices other than the CPU, a source no narrower than the target (narrowing it first would
+round twice), and small tensors (where two kernel calls cost more than the slow path saves)
+take the plain add.
 """
 
 from __future__ import annotations
@@ -28,8 +29,10 @@ def add_widened(target: torch.Tensor, source: torch.Tensor, alpha: float = 1.0) 
     """``target.add_(source, alpha=alpha)`` for flat tensors of equal length, computed in
     ``target``'s dtype; fast where ``source`` is narrower and both are on the CPU."""
     n = target.numel()
-    if (target.device.type != "cpu" or source.device.type != "cpu" or source.dtype == target.dtype
-            or n < SMALL or target.dim() != 1 or source.dim() != 1):
+    if (target.device.type != "cpu" or source.device.type != "cpu" or n < SMALL
+            or source.dtype.itemsize >= target.dtype.itemsize  # only a widening is exact
+            or not (source.is_floating_point() and target.is_floating_point())
+            or target.dim() != 1 or source.dim() != 1):
         target.add_(source, alpha=alpha)
         return
     scratch = torch.empty(min(n, BLOCK), dtype=target.dtype)
