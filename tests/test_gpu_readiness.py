@@ -27,7 +27,7 @@ from harness import run_distributed
 from hf_elixir.runtime import comm as comm_mod
 from hf_elixir.runtime import devices
 from hf_elixir.runtime import module as module_mod
-from loops import elixir_steps
+from loops import elixir_steps, lm_loss
 from test_equivalence import case_plans
 from tiny_models import make_batch, make_model
 
@@ -242,6 +242,46 @@ def test_offloaded_state_goes_through_staging_with_one_wait_per_backward() -> No
         assert staged["losses"] == plain["losses"]
         assert all(torch.equal(staged["state"][k], v) for k, v in plain["state"].items())
     assert got["late"]["forced_late"] and all(got["late"]["forced_late"])
+
+
+def _zero_grad_of_staged_chunks(rank: int, world_size: int) -> dict:
+    """``zero_grad`` on chunks whose gradient comes down through staging: marked, not cleared."""
+    from equivalence import make_optimizer
+
+    os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"
+    _use_stand_in_streams()
+    torch.manual_seed(0)
+    model = make_model("llama")
+    plan = hfe.ElixirPlan.simple(model, world_size, **dict(case_plans("llama")["c_half_optim_cpu"], compute_dtype="bf16"))
+    emodel = hfe.ElixirModule(model, plan)
+    eopt = hfe.ElixirOptimizer(emodel, make_optimizer(model)[0])
+    staged = [c for c in emodel.chunks if c.staging is not None and not c.frozen]
+    ids = make_batch(4, 16)
+    eopt.backward(lm_loss(emodel, ids))
+    eopt.step()
+    emodel.host_updates.wait_all()
+    held = [c.grad_shard.clone() for c in staged]
+    eopt.zero_grad()
+    out = {"staged": len(staged), "marked": [c.grad_zeroed for c in staged],
+           "untouched": [torch.equal(c.grad_shard, h) and bool(h.any()) for c, h in zip(staged, held)]}
+    out["norm_after_zero_grad"] = float(eopt.clip_grad_norm_(1.0))  # a reader: it sees zeros
+    out["settled"] = [not c.grad_zeroed and not c.grad_shard.any() for c in staged]
+    eopt.zero_grad()
+    eopt.backward(lm_loss(emodel, ids))  # the download is copied over what the shard held
+    out["copied"] = [not c.grad_zeroed for c in staged]
+    out["norm_after_backward"] = float(eopt.clip_grad_norm_(1.0))
+    return out
+
+
+def test_zero_grad_marks_a_staged_shard_zero_and_every_reader_sees_zeros() -> None:
+    """A staged chunk's ``zero_grad`` writes nothing: the next download is copied in over the
+    shard (one pass saved of the two that clearing and adding cost). Any other reader, here
+    clipping, clears the shard first, so it reads zeros as it would after a real clearing."""
+    got = run_distributed(_zero_grad_of_staged_chunks, 2)[0]
+    assert got["staged"] > 1
+    assert all(got["marked"]) and all(got["untouched"]), "zero_grad must only mark the staged shards"
+    assert got["norm_after_zero_grad"] == 0.0 and all(got["settled"])
+    assert all(got["copied"]) and got["norm_after_backward"] > 0.0
 
 
 def _host_gathers(rank: int, world_size: int) -> dict:

@@ -2,13 +2,11 @@
 
 The planner prices a GPU machine's offloaded updates at ``cpu_adam_throughput``. Priced as
 the AdamW kernel alone, it left out about half the bytes the host moves for each offloaded
-parameter: the downloaded gradient's add into the fp32 shard, the clipping norm and scaling,
-the compute-dtype copy, the zeroing. A calibration on a GPU machine times all of it here.
+parameter: the downloaded gradient's way into the fp32 shard, the clipping norm and
+scaling, the compute-dtype copy. A calibration on a GPU machine times all of it here.
 """
 
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
@@ -16,21 +14,20 @@ from hf_elixir.measure.calibrate import median_time
 from hf_elixir.runtime.host_kernel import OnePassAdam
 from hf_elixir.runtime.threads import using_threads
 from hf_elixir.runtime.update import apply_update
-from hf_elixir.runtime.widen import add_widened
 
 
 def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16,
-                     add: Callable[[torch.Tensor, torch.Tensor], None] = add_widened) -> float:
+                     plain: bool = False) -> float:
     """Elements/s of everything the host does, per element of an offloaded chunk, in a step
     on a GPU, with the runtime's own kernels and the threads its host update uses
-    (``runtime/threads.py``): the downloaded compute-dtype gradient added into the fp32
-    gradient shard (``reduce.py``, through ``widen.py``), the clipping norm and scaling
-    (``grad_shards.py``), the update with its compute-dtype copy (``host_kernel.py``'s
-    one-pass loop, or PyTorch's fused kernel and a cast where the loop is not usable), and
-    the zeroing of the gradient shard.
+    (``runtime/threads.py``): the downloaded compute-dtype gradient copied into the fp32
+    gradient shard (the step's one download: ``zero_grad`` left the clearing to it, in
+    ``disk_tier.clear_grad``), the clipping norm and scaling (``grad_shards.py``), and the
+    update with its compute-dtype copy (``host_kernel.py``'s one-pass loop, or PyTorch's
+    fused kernel and a cast where the loop is not usable).
 
-    ``add``: how the gradient is added in (``benchmarks/bench_host_step.py`` passes
-    PyTorch's plain mixed-dtype add, to show what the runtime's saves)."""
+    ``plain``: the same step as PyTorch's own operations take it, the gradient added into a
+    zeroed shard and the shard zeroed again (``benchmarks/bench_host_step.py`` compares)."""
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     master, grad, m, v = (torch.zeros(elems) for _ in range(4))
     master.normal_()
@@ -40,7 +37,10 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
     loop = one_pass if one_pass.usable else None
 
     def host_step() -> None:
-        add(grad, staging)
+        if plain:
+            grad.add_(staging)
+        else:
+            grad.copy_(staging)
         coef = torch.clamp(1.0 / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
         grad.mul_(coef)
         if loop is not None:
@@ -48,7 +48,8 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
         else:
             apply_update("adamw", group, master.device, batch, set())
             staging.copy_(master)
-        grad.zero_()
+        if plain:
+            grad.zero_()
 
     with using_threads(threads):
         return elems / median_time(host_step, repeat=5)

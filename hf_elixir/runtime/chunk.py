@@ -109,6 +109,10 @@ class Chunk:
     upload_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
     host_read_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
     _upload_tmp: Optional[torch.Tensor] = field(default=None, repr=False)
+    # a staged chunk's ``zero_grad`` only notes that its gradient shard is zero: the next
+    # download is copied in rather than added, and the pass that zeroes the shard is saved
+    # (``settle_grad`` clears it for any other reader first)
+    grad_zeroed: bool = False
     # a frozen chunk holds parameters that need no gradient: its shard is all it has (the
     # master aliases it, the gradient shard is empty, it is never reduced or updated)
     frozen: bool = False
@@ -257,6 +261,14 @@ class Chunk:
         self.state = ChunkState.RELEASED
 
     # ------------------------------------------------------------------ gradients
+    def settle_grad(self) -> None:
+        """Make the gradient shard hold what it means: zeros after a ``zero_grad`` whose
+        clearing was left to the next download (``grad_zeroed``). Every reader of the shard
+        but that download calls this first."""
+        if self.grad_zeroed:
+            self.grad_shard.zero_()
+            self.grad_zeroed = False
+
     def receive_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Copy one parameter's full gradient into the chunk's gradient buffer."""
         view = self.grad_buffer[slot.offset : slot.offset + slot.numel]

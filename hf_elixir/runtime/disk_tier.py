@@ -485,9 +485,16 @@ def open_chunk(tier: Optional[DiskTier], chunk, state: Optional[dict[str, torch.
 
 
 def clear_grad(tier: Optional[DiskTier], chunk) -> None:
-    """Zero one chunk's gradient shard, wherever it lives (``zero_grad``)."""
+    """Zero one chunk's gradient shard, wherever it lives (``zero_grad``). A chunk whose
+    gradient comes down through a staging buffer is only marked zero: every backward brings
+    each such chunk's gradient down, and the first download is copied in over the old values
+    (``GradReducer._drain_downloads``), which saves a pass over the shard. Downloads must be
+    the shard's only writer for that: not so for a chunk with direct gradients (one rank with
+    its shard where it computes), which is cleared."""
     if tier is not None and tier.holds(chunk.index):
         tier.grads.forget(chunk.index)
+    elif chunk.staging is not None and not chunk.direct_grads:
+        chunk.grad_zeroed = True
     else:
         chunk.grad_shard.zero_()
 

@@ -31,6 +31,7 @@ def by_device(chunks: Sequence[Chunk], disk: Optional[DiskTier]) -> dict[torch.d
         disk.grads.settle()
     out: dict[torch.device, list[Chunk]] = defaultdict(list)
     for chunk in chunks:
+        chunk.settle_grad()
         if chunk.grad_shard.numel():
             out[HOST if chunk.disk else chunk.grad_shard.device].append(chunk)
     return out

@@ -401,6 +401,8 @@ class ElixirOptimizer(Optimizer):
         readers_done = None
         if self.module.copy_stream is not None:  # uploads may start once this much has run
             readers_done = torch.cuda.current_stream(self.module.device).record_event()
+        for chunk in self.module.chunks:  # a zero_grad whose clearing waits for a download
+            chunk.settle_grad()
         batches = self.batching.get(active)
         # device shards first (asynchronous on a GPU, they run while the CPU works), then
         # the host's, staged chunks in index order (the next forward needs the first first)

@@ -265,6 +265,9 @@ class GradReducer:
             if chunk.disk:
                 with self.disk_grads.opened(chunk.index) as grad:
                     add_widened(grad, chunk.staging)
+            elif chunk.grad_zeroed:  # zero_grad left the clearing to this copy (clear_grad)
+                chunk.grad_shard.copy_(chunk.staging)
+                chunk.grad_zeroed = False
             else:
                 add_widened(chunk.grad_shard, chunk.staging)
         self.downloads.clear()
