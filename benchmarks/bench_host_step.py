@@ -29,8 +29,6 @@ Results go to ``benchmarks/results/bench_host_step.json``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -41,6 +39,7 @@ import torch
 from hf_elixir.measure.host_rate import host_update_rate
 from hf_elixir.runtime.threads import usable_cores, using_threads
 from hf_elixir.runtime.widen import add_widened
+from bench_host_optimizer import machine, write_results  # the script's folder is on sys.path
 
 RESULTS = Path(__file__).resolve().parent / "results" / "bench_host_step.json"
 
@@ -105,10 +104,7 @@ def main() -> None:
               f"{row['host_step_elements_per_s']['plain'] / 1e6:.0f} vs "
               f"{row['host_step_elements_per_s']['hf_elixir'] / 1e6:.0f} M elements/s, {row['host_step_speedup']:.2f}x; "
               f"bit equal: {row['bit_equal']}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"machine": {"cpu": platform.processor() or platform.machine(),
-                                                "cores": usable_cores(), "torch": torch.__version__},
-                                    "rows": rows}, indent=1) + "\n")
+    write_results(args.out, {"machine": machine(), "rows": rows})
 
 
 if __name__ == "__main__":
