@@ -40,6 +40,14 @@ class HardwareError(HfElixirError, ValueError):
 NVME_READ = 2.0e9
 NVME_WRITE = 1.0e9
 
+#: The revision of the routines a calibration times. A calibration prices the runtime's own
+#: kernels (the host's update and its copies, the gradient add, the collectives), so one
+#: taken before a change that made them faster or slower keeps the old speed: a GPU machine
+#: calibrated before the one-pass host update priced offload about twice too slow. Raise it
+#: with any such change; ``HardwareProfile.cached`` then tells the user to calibrate again,
+#: and ``hf-elixir demo`` does so itself.
+CALIBRATION_REVISION = 1
+
 
 @dataclass
 class HardwareProfile:
@@ -85,6 +93,8 @@ class HardwareProfile:
             that still hides behind compute running beside it, by kind (``"gather"``: the
             runtime's chunk gather, ``"reduce"``: its gradient reduction); measured by
             ``calibrate()``, empty (nothing hides) for presets. Idle cores take the rest.
+        calibration_revision: ``CALIBRATION_REVISION`` of the hf_elixir that measured these
+            figures; 0 for presets and for calibrations older than the revisions.
         sources: field name -> datasheet / published measurement / estimate / measured.
     """
 
@@ -113,6 +123,7 @@ class HardwareProfile:
     sources: dict[str, str] = field(default_factory=dict)
     calibration_steal: float | None = None
     comm_overlap: dict[str, float] = field(default_factory=dict)
+    calibration_revision: int = 0
 
     # ------------------------------------------------------------------ derived
     @property
@@ -246,18 +257,34 @@ class HardwareProfile:
         return prof
 
     @classmethod
-    def cached(cls) -> "HardwareProfile | None":
-        """The cached calibration of this machine, or None."""
+    def cached(cls, warn_stale: bool = True) -> "HardwareProfile | None":
+        """The cached calibration of this machine, or None.
+
+        A calibration by another revision of the timed routines (``is_current``) is still
+        returned, since its other figures are this machine's and beat a preset's, with a
+        warning (unless ``warn_stale`` is False) that says to calibrate again.
+        """
         path = cache_path()
         if not path.exists():
             return None
         try:
-            return cls.from_json(path)
+            prof = cls.from_json(path)
         except HardwareError as e:
             warnings.warn(f"hf_elixir: the calibration cached in {path} cannot be read ({e}); planning with "
                           "preset figures instead. Run `hf-elixir calibrate` to measure this machine again",
                           stacklevel=2)
             return None
+        if warn_stale and not prof.is_current():
+            warnings.warn(f"hf_elixir: the calibration cached in {path} timed the routines of another "
+                          f"hf_elixir (revision {prof.calibration_revision}, this one {CALIBRATION_REVISION}), "
+                          "so the plan may price them at their old speed. Run `hf-elixir calibrate` to "
+                          "measure this machine again", stacklevel=2)
+        return prof
+
+    def is_current(self) -> bool:
+        """Whether this profile was calibrated by this hf_elixir's revision of the timed
+        routines (``CALIBRATION_REVISION``)."""
+        return self.calibration_revision == CALIBRATION_REVISION
 
     def describe(self) -> str:
         rows = [

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
 import time
+import warnings
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +15,8 @@ import torch
 from hf_elixir.hardware import GB, GiB, PRESETS, HardwareError, HardwareProfile, parse_memory
 from hf_elixir.measure import calibrate_machine
 
+#: a calibration of a quiet 2-core machine, committed (test_oom_recovery prices its plans with it)
+CALIBRATION = Path(__file__).resolve().parent / "data" / "calibration_2core_cpu.json"
 REQUIRED = ["a100-40g", "a100-80g", "h100-80g", "h200", "l4", "t4", "v100-32g", "rtx3090", "rtx4090", "cpu"]
 FIGURES = ["device_memory", "h2d_bandwidth", "d2h_bandwidth", "collective_bandwidth", "matmul_flops",
            "device_adam_throughput", "cpu_adam_throughput", "cpu_memory"]
@@ -70,6 +74,7 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
     for f in ("h2d_bandwidth", "d2h_bandwidth", "matmul_flops", "cpu_adam_throughput", "device_adam_throughput"):
         assert cal.sources[f] == "measured"
     assert cal.h2d_bandwidth > 1e6 and cal.cpu_adam_throughput > 1e5
+    assert cal.is_current()  # stamped with the revision of the routines it timed
     assert cal.matmul_flops["float32"] > 1e6
     figs = cal.compute_figures(1)
     widths = [w for w, _ in figs.efficiency_curve]
@@ -100,6 +105,51 @@ def test_an_unreadable_calibration_cache_is_reported_not_silently_ignored(tmp_pa
         hw = HardwareProfile.detect()
     assert hw.name == "cpu" or hw.device_type == "cuda"  # the preset, as the warning says
     assert cache_path().read_text() == '{"name": "x", "warp_drive": 1}'  # the file is left alone
+
+
+def test_a_calibration_by_an_older_hf_elixir_is_used_with_a_warning_to_calibrate_again(tmp_path, monkeypatch):
+    """A cache written before the timed routines changed (no revision, or another one) still
+    gives this machine's figures, not a preset's, and the warning says how to refresh them."""
+    from hf_elixir.hardware import CALIBRATION_REVISION, cache_path
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE", str(tmp_path))
+    data = json.loads(CALIBRATION.read_text())
+    for old in ({k: v for k, v in data.items() if k != "calibration_revision"},
+                {**data, "calibration_revision": CALIBRATION_REVISION + 1}):
+        cache_path().write_text(json.dumps(old))
+        with pytest.warns(UserWarning, match=r"another hf_elixir .*Run `hf-elixir calibrate`"):
+            hw = HardwareProfile.detect()
+        assert hw.cpu_adam_throughput == data["cpu_adam_throughput"] and not hw.is_current()
+        assert json.loads(cache_path().read_text()) == old  # the file is left alone
+    cache_path().write_text(json.dumps(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert HardwareProfile.detect().is_current()
+
+
+def test_the_demo_calibrates_again_only_when_the_cache_is_missing_or_stale(tmp_path, monkeypatch):
+    """``hf-elixir demo`` measures the machine when nothing is cached or the cache timed an
+    older revision's routines, and leaves a current calibration alone."""
+    from hf_elixir.cli import demo
+    from hf_elixir.hardware import cache_path
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE", str(tmp_path))
+    data = json.loads(CALIBRATION.read_text())
+    measured = []
+
+    def calibrate():  # what calibrate_machine leaves behind, without minutes of measuring
+        measured.append(True)
+        cache_path().write_text(json.dumps(data))
+
+    monkeypatch.setattr(demo, "calibrate_machine", calibrate)
+    logged = []
+    demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [True] and "once" in logged[0]
+    demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [True]  # current: left alone
+    cache_path().write_text(json.dumps({k: v for k, v in data.items() if k != "calibration_revision"}))
+    demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [True, True] and "older hf_elixir" in logged[-2]
 
 
 def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):

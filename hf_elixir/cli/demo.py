@@ -258,10 +258,13 @@ def require_qlora() -> None:
 
 
 def ensure_calibration(log=print) -> None:
-    """Calibrate this machine once, so the plan's predicted times are this machine's."""
-    if HardwareProfile.cached() is None:
+    """Calibrate this machine once, so the plan's predicted times are this machine's; again
+    when the cached calibration timed another revision of the runtime's routines."""
+    cached = HardwareProfile.cached(warn_stale=False)
+    if cached is None or not cached.is_current():
         # 2.7 min on the 2-core test VM (two one-thread ranks re-measure compute side by side)
-        log(f"calibrating this machine once for the planner (a few minutes on a small CPU machine; "
+        why = "once" if cached is None else "again (the cached calibration timed an older hf_elixir's routines)"
+        log(f"calibrating this machine {why} for the planner (a few minutes on a small CPU machine; "
             f"cached in {cache_path()})", flush=True)
         started = time.perf_counter()
         calibrate_machine()

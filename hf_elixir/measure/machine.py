@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hf_elixir.hardware import MEASURED, STEAL_WARNING, HardwareProfile, cache_path
+from hf_elixir.hardware import CALIBRATION_REVISION, MEASURED, STEAL_WARNING, HardwareProfile, cache_path
 from hf_elixir.measure import calibrate as cal
 from hf_elixir.measure.host_rate import host_update_rate
 from hf_elixir.measure.steal import StealMeter
@@ -99,6 +99,7 @@ def measure_machine(quick: bool = False) -> HardwareProfile:
     prof.sources = src
     prof.name = prof.name + " (calibrated)" if "calibrated" not in prof.name else prof.name
     prof.calibration_steal = steal.share()
+    prof.calibration_revision = CALIBRATION_REVISION
     if prof.calibration_steal is not None and prof.calibration_steal >= STEAL_WARNING:
         warnings.warn(f"hf_elixir calibrate: the hypervisor took {prof.calibration_steal:.0%} of this machine's CPU "
                       "time while it was measured, so its figures are slower than the machine is when its host "
