@@ -13,6 +13,9 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 #: holds the sitecustomize.py that gives plain reference runs a clean exit (see that file)
 REFERENCE_SITE = Path(__file__).resolve().parent / "reference_site"
+#: a calibration of a quiet 2-core machine, committed, for tests whose plans must not depend on
+#: the machine they run on (test_oom_recovery) or that need a real calibration file to read
+CALIBRATION = Path(__file__).resolve().parent / "data" / "calibration_2core_cpu.json"
 
 
 def worker_env(**extra: str) -> dict[str, str]:

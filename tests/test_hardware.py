@@ -14,9 +14,8 @@ import torch
 
 from hf_elixir.hardware import GB, GiB, PRESETS, HardwareError, HardwareProfile, parse_memory
 from hf_elixir.measure import calibrate_machine
+from integration_helpers import CALIBRATION
 
-#: a calibration of a quiet 2-core machine, committed (test_oom_recovery prices its plans with it)
-CALIBRATION = Path(__file__).resolve().parent / "data" / "calibration_2core_cpu.json"
 REQUIRED = ["a100-40g", "a100-80g", "h100-80g", "h200", "l4", "t4", "v100-32g", "rtx3090", "rtx4090", "cpu"]
 FIGURES = ["device_memory", "h2d_bandwidth", "d2h_bandwidth", "collective_bandwidth", "matmul_flops",
            "device_adam_throughput", "cpu_adam_throughput", "cpu_memory"]
@@ -128,8 +127,8 @@ def test_a_calibration_by_an_older_hf_elixir_is_used_with_a_warning_to_calibrate
 
 
 def test_the_demo_calibrates_again_only_when_the_cache_is_missing_or_stale(tmp_path, monkeypatch):
-    """``hf-elixir demo`` measures the machine when nothing is cached or the cache timed an
-    older revision's routines, and leaves a current calibration alone."""
+    """``hf-elixir demo`` measures the machine when nothing is cached or the cache timed
+    another revision's routines, and leaves a current calibration alone."""
     from hf_elixir.cli import demo
     from hf_elixir.hardware import cache_path
 
@@ -149,7 +148,7 @@ def test_the_demo_calibrates_again_only_when_the_cache_is_missing_or_stale(tmp_p
     assert measured == [True]  # current: left alone
     cache_path().write_text(json.dumps({k: v for k, v in data.items() if k != "calibration_revision"}))
     demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
-    assert measured == [True, True] and "older hf_elixir" in logged[-2]
+    assert measured == [True, True] and "another hf_elixir" in logged[-2]
 
 
 def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):

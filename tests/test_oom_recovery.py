@@ -29,7 +29,7 @@ from hf_elixir.runtime.faults import INJECT_ENV, FaultSpecError, parse_faults
 from hf_elixir.runtime.recovery import RecoveryFailed, link_loss, model_loss, origin_of
 from hf_elixir.checkpoint import save as save_checkpoint
 from hf_elixir.vocab import format_bytes
-from integration_helpers import SCRIPTS, check, hf_elixir, max_diff, trainer_args, worker_env
+from integration_helpers import CALIBRATION, SCRIPTS, check, hf_elixir, max_diff, trainer_args, worker_env
 from loops import elixir_steps
 
 STEPS = 7
@@ -183,11 +183,10 @@ def test_loss_scaling_is_recognised_and_nothing_else() -> None:
     assert model_loss({"loss": source}) is source and model_loss((source, 1)) is source
 
 
-#: a calibration of a quiet 2-core machine, committed: the plans and the levers recovery picks
-#: are priced with it on every machine (a calibration measured where the tests run made CI's
-#: recovery turn the rCache down where this machine's turned checkpointing on: both right for
-#: their figures, but a test that names the lever must fix the figures it is priced with)
-CALIBRATION = Path(__file__).resolve().parent / "data" / "calibration_2core_cpu.json"
+# CALIBRATION (integration_helpers): the plans and the levers recovery picks are priced with it
+# on every machine (a calibration measured where the tests run made CI's recovery turn the
+# rCache down where this machine's turned checkpointing on: both right for their figures, but a
+# test that names the lever must fix the figures it is priced with)
 
 
 @pytest.fixture(scope="module", autouse=True)

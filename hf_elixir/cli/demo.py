@@ -263,7 +263,7 @@ def ensure_calibration(log=print) -> None:
     cached = HardwareProfile.cached(warn_stale=False)
     if cached is None or not cached.is_current():
         # 2.7 min on the 2-core test VM (two one-thread ranks re-measure compute side by side)
-        why = "once" if cached is None else "again (the cached calibration timed an older hf_elixir's routines)"
+        why = "once" if cached is None else "again (the cached calibration timed another hf_elixir's routines)"
         log(f"calibrating this machine {why} for the planner (a few minutes on a small CPU machine; "
             f"cached in {cache_path()})", flush=True)
         started = time.perf_counter()
