@@ -95,6 +95,8 @@ class HardwareProfile:
             ``calibrate()``, empty (nothing hides) for presets. Idle cores take the rest.
         calibration_revision: ``CALIBRATION_REVISION`` of the hf_elixir that measured these
             figures; 0 for presets and for calibrations older than the revisions.
+        calibration_quick: measured with ``quick`` sizes (``hf-elixir calibrate --quick``,
+            ``hf-elixir demo --fast``): seconds instead of a minute or more, less accurate.
         sources: field name -> datasheet / published measurement / estimate / measured.
     """
 
@@ -124,6 +126,7 @@ class HardwareProfile:
     calibration_steal: float | None = None
     comm_overlap: dict[str, float] = field(default_factory=dict)
     calibration_revision: int = 0
+    calibration_quick: bool = False
 
     # ------------------------------------------------------------------ derived
     @property
@@ -214,8 +217,13 @@ class HardwareProfile:
     def to_json(self, path: str | Path | None = None) -> str:
         text = json.dumps(self.to_dict(), indent=1)
         if path is not None:
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
-            Path(path).write_text(text)
+            # written whole under a temporary name, then renamed: a launch planning on this
+            # machine at the same moment reads the old calibration or the new, never half of one
+            path = Path(path)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, path)
         return text
 
     @classmethod
@@ -303,6 +311,8 @@ class HardwareProfile:
             ("CPU AdamW", f"{self.cpu_adam_throughput / 1e9:.2f} G params/s"),
             ("CPU memory", format_bytes(self.cpu_memory)),
         ]
+        if self.calibration_quick:
+            rows.append(("calibration", "quick (less accurate; `hf-elixir calibrate` measures at full size)"))
         if self.calibration_steal is not None:
             note = " (a busy host: calibrate again when it is quiet)" if self.calibration_steal >= STEAL_WARNING else ""
             rows.append(("CPU stolen while calibrating", f"{self.calibration_steal:.0%}{note}"))

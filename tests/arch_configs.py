@@ -52,6 +52,9 @@ _SMALL_FFN_KEYS = {
 _LAYER_KEYS = {
     "num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers", "encoder_layers",
     "num_decoder_layers",
+    # xLSTM counts its layers as blocks; HRM stacks this many layers in each of its two
+    # recurrent modules (left at 32 and 16 they were a tenth of the sweep's time)
+    "num_blocks", "num_layers_per_stack",
 }
 _HEAD_KEYS = {
     "num_attention_heads", "n_head", "num_heads", "n_heads", "decoder_attention_heads",
@@ -107,8 +110,8 @@ class _Before:
 
     @classmethod
     def of(cls, values: dict, rules: "Rules") -> "_Before":
-        def first(keys):
-            return next((values[k] for k in keys if type(values.get(k)) is int), None)
+        def first(keys):  # in a fixed order: a set's order changes with the hash seed
+            return next((values[k] for k in sorted(keys) if type(values.get(k)) is int), None)
 
         before = cls(first(_LAYER_KEYS), first(_HIDDEN_KEYS), first(_FFN_KEYS), first(_HEAD_KEYS), rules=rules,
                      positions=values.get("max_position_embeddings"), languages=values.get("languages"),

@@ -40,8 +40,11 @@ def free_port() -> int:
 
 
 #: what the rank server imports before it forks ranks: the imports every rank would repeat
+#: (hf_elixir reads no environment variable when imported, so a rank that sets its own
+#: still gets them; the two model families most tests build, about 0.5 s a rank)
 RANK_SERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "transformers.modeling_utils",
-                       "rank_server_ready"]
+                       "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama",
+                       "hf_elixir", "hf_elixir.runtime", "hf_elixir.planner", "rank_server_ready"]
 
 
 def start_rank_server() -> None:

@@ -74,6 +74,7 @@ def test_detect_and_calibrate_cache(tmp_path, monkeypatch):
         assert cal.sources[f] == "measured"
     assert cal.h2d_bandwidth > 1e6 and cal.cpu_adam_throughput > 1e5
     assert cal.is_current()  # stamped with the revision of the routines it timed
+    assert cal.calibration_quick and "quick (less accurate" in cal.describe()
     assert cal.matmul_flops["float32"] > 1e6
     figs = cal.compute_figures(1)
     widths = [w for w, _ in figs.efficiency_curve]
@@ -136,19 +137,47 @@ def test_the_demo_calibrates_again_only_when_the_cache_is_missing_or_stale(tmp_p
     data = json.loads(CALIBRATION.read_text())
     measured = []
 
-    def calibrate():  # what calibrate_machine leaves behind, without minutes of measuring
-        measured.append(True)
-        cache_path().write_text(json.dumps(data))
+    def calibrate(quick=False):  # what calibrate_machine leaves behind, without minutes of measuring
+        measured.append(quick)
+        cache_path().write_text(json.dumps(dict(data, calibration_quick=quick)))
 
     monkeypatch.setattr(demo, "calibrate_machine", calibrate)
     logged = []
     demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
-    assert measured == [True] and "once" in logged[0]
+    assert measured == [False] and "once" in logged[0]
     demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
-    assert measured == [True]  # current: left alone
+    demo.ensure_calibration(quick=True, log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [False]  # current: left alone, and a full one serves a --fast demo too
     cache_path().write_text(json.dumps({k: v for k, v in data.items() if k != "calibration_revision"}))
     demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
-    assert measured == [True, True] and "another hf_elixir" in logged[-2]
+    assert measured == [False, False] and "another hf_elixir" in logged[-2]
+
+
+def test_the_fast_demo_calibrates_quickly_and_the_full_demo_measures_again_over_it(tmp_path, monkeypatch):
+    """``hf-elixir demo --fast`` calibrates with quick sizes (seconds, not a minute) and the
+    profile says so; a quick calibration serves the next fast demo, and the full demo
+    calibrates again at full size."""
+    from hf_elixir.cli import demo
+    from hf_elixir.hardware import cache_path
+
+    monkeypatch.setenv("HF_ELIXIR_CACHE", str(tmp_path))
+    data = json.loads(CALIBRATION.read_text())
+    measured = []
+
+    def calibrate(quick=False):
+        measured.append(quick)
+        cache_path().write_text(json.dumps(dict(data, calibration_quick=quick)))
+
+    monkeypatch.setattr(demo, "calibrate_machine", calibrate)
+    logged = []
+    demo.ensure_calibration(quick=True, log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [True] and "once" in logged[0] and "quickly" in logged[0]
+    assert HardwareProfile.cached().calibration_quick
+    demo.ensure_calibration(quick=True, log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [True]
+    demo.ensure_calibration(log=lambda *a, **k: logged.append(a[0]))
+    assert measured == [True, False] and "at full size" in logged[-2]
+    assert not HardwareProfile.cached().calibration_quick
 
 
 def test_steal_meter_reads_the_share_the_hypervisor_took(tmp_path, monkeypatch):

@@ -257,18 +257,28 @@ def require_qlora() -> None:
                        f"{QLORA_INSTALL}, then run the demo again")
 
 
-def ensure_calibration(log=print) -> None:
+def ensure_calibration(quick: bool = False, log=print) -> None:
     """Calibrate this machine once, so the plan's predicted times are this machine's; again
-    when the cached calibration timed another revision of the runtime's routines."""
+    when the cached calibration timed another revision of the runtime's routines, or was
+    quick and a full one is wanted. ``quick`` (``--fast``) measures at small sizes: seconds
+    rather than the minute or more a full calibration takes on a small CPU machine, which
+    would be most of a fast demo's time."""
     cached = HardwareProfile.cached(warn_stale=False)
-    if cached is None or not cached.is_current():
-        # 2.7 min on the 2-core test VM (two one-thread ranks re-measure compute side by side)
-        why = "once" if cached is None else "again (the cached calibration timed another hf_elixir's routines)"
-        log(f"calibrating this machine {why} for the planner (a few minutes on a small CPU machine; "
-            f"cached in {cache_path()})", flush=True)
-        started = time.perf_counter()
-        calibrate_machine()
-        log(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
+    if cached is not None and cached.is_current() and (quick or not cached.calibration_quick):
+        return
+    # full: 67 s on the 2-core test VM (two one-thread ranks re-measure compute side by
+    # side); quick: 15 s
+    if cached is None:
+        why = "once"
+    elif not cached.is_current():
+        why = "again (the cached calibration timed another hf_elixir's routines)"
+    else:
+        why = "again at full size (the cached calibration was a quick one)"
+    how = "quickly" if quick else "(a minute or more on a small CPU machine)"
+    log(f"calibrating this machine {why} for the planner {how}; cached in {cache_path()}", flush=True)
+    started = time.perf_counter()
+    calibrate_machine(quick=quick)
+    log(f"calibrated in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 def free_port() -> int:
@@ -288,7 +298,7 @@ def register_demo(sub) -> None:
                         "and config go")
     p.add_argument("--cache-dir", default=None, help=f"where the demo's base models are cached (default {default_cache()})")
     p.add_argument("--num_processes", type=int, default=None, help="processes (default: GPUs, or 2 on a CPU)")
-    p.add_argument("--fast", action="store_true", help="a smaller base model and fewer steps (for CI)")
+    p.add_argument("--fast", action="store_true", help="a smaller base model, fewer steps and a quick calibration (for CI)")
     kind = p.add_mutually_exclusive_group()
     kind.add_argument("--lora", action="store_true",
                       help=f"fine-tune LoRA adapters over the frozen base instead of every weight (PEFT: {PEFT_INSTALL})")
@@ -321,7 +331,7 @@ def cmd_demo(args) -> int:
         else:
             recipe = FAST if args.fast else FULL
         model = str(ensure_base_model(Path(args.cache_dir) if args.cache_dir else default_cache(), recipe))
-    ensure_calibration()
+    ensure_calibration(quick=args.fast)
     procs = args.num_processes or max(torch.cuda.device_count(), 2 if not torch.cuda.is_available() else 1)
     config = write_config(output / "accelerate_elixir.yaml",
                           default_config(procs, "bf16" if torch.cuda.is_available() else "no"),

@@ -100,6 +100,7 @@ def measure_machine(quick: bool = False) -> HardwareProfile:
     prof.name = prof.name + " (calibrated)" if "calibrated" not in prof.name else prof.name
     prof.calibration_steal = steal.share()
     prof.calibration_revision = CALIBRATION_REVISION
+    prof.calibration_quick = quick
     if prof.calibration_steal is not None and prof.calibration_steal >= STEAL_WARNING:
         warnings.warn(f"hf_elixir calibrate: the hypervisor took {prof.calibration_steal:.0%} of this machine's CPU "
                       "time while it was measured, so its figures are slower than the machine is when its host "
