@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
