@@ -32,6 +32,7 @@ core, so its figures are measured once more that way. Each set is a ``ComputeFig
 
 from __future__ import annotations
 
+import gc
 import math
 import socket
 import statistics
@@ -550,6 +551,15 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / slope, latency
 
 
+def _rank_then_exit(worker: Callable, *args) -> None:
+    """One spawned rank: ``worker``, then its objects frozen out of the cycle collections
+    of the interpreter's teardown (the rank's results are on the queue; those collections
+    walk everything torch made, about a second of each rank's exit)."""
+    worker(*args)
+    gc.collect()
+    gc.freeze()
+
+
 def run_local_ranks(worker: Callable, args: tuple, ranks: int, timeout: float,
                     cpu: bool = True) -> tuple[object | None, list[int | None]]:
     """Run ``worker(rank, ranks, port, *args, queue)`` in ``ranks`` spawned processes on this
@@ -562,7 +572,7 @@ def run_local_ranks(worker: Callable, args: tuple, ranks: int, timeout: float,
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=worker, args=(r, ranks, port, *args, q)) for r in range(ranks)]
+    procs = [ctx.Process(target=_rank_then_exit, args=(worker, r, ranks, port, *args, q)) for r in range(ranks)]
     with spawning_cpu_ranks(enabled=cpu):
         for p in procs:
             p.start()
