@@ -21,9 +21,7 @@ which case they run on into the teardown. So a normal end has two steps:
    script ended; if gloo worker threads are still alive after step 1, the process ends
    there with the script's own exit status (``os._exit``, after flushing its output), so
    no thread can reach the interpreter's teardown. Everything the script wrote is already
-   written; only the teardown of objects still alive is skipped. Otherwise the objects
-   alive then are frozen out of the teardown's cycle collections, which would walk all of
-   torch's and transformers' objects for about a second.
+   written; only the teardown of objects still alive is skipped.
 
 Neither step runs after an uncaught exception: a failing rank exits at once, so its launcher
 can stop the others. This module imports nothing from hf_elixir, so the tests' plain
@@ -127,7 +125,6 @@ def _end_before_teardown() -> None:
     if not alive:
         if report:
             print(f"hf_elixir exit: no gloo worker threads left; status {WATCH.status}", file=sys.stderr, flush=True)
-        _spare_the_teardown_its_collections()
         return
     if report:
         print(f"hf_elixir exit: {alive} gloo worker threads outlived their process groups; ending with "
@@ -138,17 +135,6 @@ def _end_before_teardown() -> None:
         except (AttributeError, OSError, ValueError):  # closed or replaced by the script
             pass
     os._exit(WATCH.status)
-
-
-def _spare_the_teardown_its_collections() -> None:
-    """Collect the garbage there is now (its finalizers run, as at any collection), then
-    freeze every surviving object out of the cycle collector. The interpreter's teardown
-    still frees each object as its last reference goes; only its cycle collections, which
-    walk every object torch and transformers made, skip them: about a second of a worker's
-    exit with the Trainer imported, 0.2 s left. Python does not promise to finalize objects
-    still alive at exit; ``os._exit`` above skips the whole teardown."""
-    gc.collect()
-    gc.freeze()
 
 
 def _status(code: object) -> int:
