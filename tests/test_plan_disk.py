@@ -128,3 +128,35 @@ def test_disk_calibration_measures_a_temp_dir_and_caches_it(tmp_path, monkeypatc
     hw = mdisk.with_disk("rtx4090", target)
     assert hw.disk_read_bandwidth == figs.read_bytes_per_s and hw.disk_free > 0
     assert hw.sources["disk_read_bandwidth"] == "measured"
+
+
+def test_placement_takes_the_fewest_disk_chunks_a_scan_would(llama13b) -> None:
+    """``disk.place`` bisects the count of disk chunks; every candidate gets the count a scan
+    from zero finds (the first disk chunk brings the rings, so it can need more host memory
+    than none: the scan and the bisection must agree there too)."""
+    from hf_elixir.planner.search import _host_bytes, enumerate_candidates
+
+    cfg, prof = llama13b
+    hw = HardwareProfile.preset("rtx4090").with_cluster(gpus_per_node=1)
+    cands = enumerate_candidates(prof, hw, 1, "bfloat16", "adamw")[0][::40]
+
+    def host(c):
+        return _host_bytes(c, 1, "bfloat16", "adamw")
+
+    counts = set()
+    for budget in (8 * GiB, 24 * GiB, 48 * GiB, 96 * GiB, 400 * GiB):
+        want = []
+        for c in cands:
+            for q in range(c.n_optim_cpu + 1):
+                d = disk.priced(c, q, 1, "adamw", hw)
+                if host(d) <= budget:
+                    want.append(d)
+                    break
+        got = disk.place(cands, host, budget, 1, "adamw", hw, float("inf"))
+        assert got == want, budget
+        counts |= {d.n_optim_disk for d in got}
+    assert 0 in counts and len(counts) > 5  # none on disk, and many counts between
+    c = next(c for c in cands if c.n_optim_cpu >= 2)
+    by_count = [host(disk.priced(c, q, 1, "adamw", hw)) for q in range(c.n_optim_cpu + 1)]
+    assert by_count[1] > by_count[0]  # the rings outweigh the one chunk they bring
+    assert all(a > b for a, b in zip(by_count[1:], by_count[2:]))  # then each chunk only takes away
