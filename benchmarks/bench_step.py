@@ -46,7 +46,6 @@ ranks of its own, so none inherits hf_elixir's setting), to show what the settin
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import statistics
@@ -380,15 +379,6 @@ def launch_each(args, systems: dict | None = None) -> dict:
     return results
 
 
-def _rank_then_exit(target: Callable, *args) -> None:
-    """One spawned rank: ``target``, then its objects frozen out of the cycle collections of
-    the interpreter's teardown (its results are on the queue; those collections walk all of
-    torch's objects, about a second of each rank's exit)."""
-    target(*args)
-    gc.collect()
-    gc.freeze()
-
-
 def launch(args, systems: dict | None = None, target: Callable = None) -> dict:
     """Spawn args.world_size ranks over gloo; each runs args.systems on args.models.
 
@@ -404,10 +394,11 @@ def launch(args, systems: dict | None = None, target: Callable = None) -> dict:
     with socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank_then_exit, args=(target or worker, r, args.world_size, port, args, queue, systems))
-             for r in range(args.world_size)]
+    from hf_elixir.measure.calibrate import run_then_freeze
     from hf_elixir.runtime.host_memory import spawning_cpu_ranks
 
+    procs = [ctx.Process(target=run_then_freeze, args=(target or worker, r, args.world_size, port, args, queue, systems))
+             for r in range(args.world_size)]
     with spawning_cpu_ranks():  # every system's ranks start as hf-elixir launch starts them
         for proc in procs:
             proc.start()

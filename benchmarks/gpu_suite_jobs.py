@@ -29,7 +29,6 @@ result, not a failure of the job.
 
 from __future__ import annotations
 
-import gc
 import json
 import os
 import shutil
@@ -603,10 +602,9 @@ def main() -> None:
                   "traceback": traceback.format_exc()[-3000:]}
     if os.environ.get("RANK", "0") == "0":
         result_path.write_text(json.dumps(result, indent=1, default=str))
-    # the job is done and written: keep the interpreter's last cycle collections from
-    # walking every object torch and transformers made (about a second of each job's exit)
-    gc.collect()
-    gc.freeze()
+    from hf_elixir.integrations.process_exit import freeze_for_teardown
+
+    freeze_for_teardown()  # the job is done and written
 
 
 if __name__ == "__main__":

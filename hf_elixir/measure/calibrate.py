@@ -551,10 +551,12 @@ def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return 1.0 / slope, latency
 
 
-def _rank_then_exit(worker: Callable, *args) -> None:
-    """One spawned rank: ``worker``, then its objects frozen out of the cycle collections
-    of the interpreter's teardown (the rank's results are on the queue; those collections
-    walk everything torch made, about a second of each rank's exit)."""
+def run_then_freeze(worker: Callable, *args) -> None:
+    """A spawned rank's target: ``worker(*args)``, then its objects frozen out of the cycle
+    collections of the interpreter's teardown (the rank's results are on the queue; those
+    collections walk everything torch made, about a second of each rank's exit). The
+    benchmarks' ranks use it too; ``integrations.process_exit.freeze_for_teardown`` is the
+    same step for processes that end by themselves (a layer above, so not shared)."""
     worker(*args)
     gc.collect()
     gc.freeze()
@@ -572,7 +574,7 @@ def run_local_ranks(worker: Callable, args: tuple, ranks: int, timeout: float,
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     q = ctx.SimpleQueue()
-    procs = [ctx.Process(target=_rank_then_exit, args=(worker, r, ranks, port, *args, q)) for r in range(ranks)]
+    procs = [ctx.Process(target=run_then_freeze, args=(worker, r, ranks, port, *args, q)) for r in range(ranks)]
     with spawning_cpu_ranks(enabled=cpu):
         for p in procs:
             p.start()

@@ -8,27 +8,17 @@ worker threads outlived the process groups, ends the process with that status be
 interpreter's teardown can abort it.
 
 Where the teardown does run, the last exit handler first freezes every object then alive out
-of its cycle collections: the reference scripts have written their results by then, and
-those collections walk all of torch's and transformers' objects, about a second of each
-reference process's exit (the suite starts dozens). hf_elixir's own workers do not do this:
-a user's script may leave an object whose finalizer still has work to do (an unclosed zip
-file in a reference cycle), and only the teardown's collections would run it.
+of its cycle collections (``process_exit.freeze_for_teardown``): the reference scripts have
+written their results by then, and the suite starts dozens of them.
 """
 
 import atexit
-import gc
 import sys
 
 import sitecustomize
 
-
-def _freeze_for_the_teardown() -> None:
-    gc.collect()
-    gc.freeze()
-
-
 if __name__ == "__main__":
     if len(sys.argv) < 2:
         raise SystemExit("usage: run_reference.py script.py [args...]")
-    atexit.register(_freeze_for_the_teardown)  # before run_script's handler, so it runs after it
+    atexit.register(sitecustomize.process_exit.freeze_for_teardown)  # before run_script's handler, so it runs after it
     sitecustomize.process_exit.run_script(sys.argv[1], sys.argv[2:])
