@@ -6,7 +6,10 @@
 Sections, in the order they run (each job in a process of its own, with a timeout; the whole
 run has a deadline, so a stuck job cannot eat the time of the sections after it, and the
 most telling sections come first, since the deadline cuts what comes last; ``--sections``
-runs some of them, so a second call can run what a first one's deadline cut):
+runs some of them, so a second call can run what a first one's deadline cut). On a GPU one
+job runs at a time, so no job's timing shares the device; a dry run measures nothing and
+runs two at a time (``lanes`` in the settings: the smoke test's two jobs side by side, then
+the sections after it two by two), so CI's two cores are both busy:
 
 1. smoke: the equivalence recipe at world size 1 on the device (fp32 plans against plain
    PyTorch, bf16 against fp32), directly and under ``torchrun --nproc_per_node 1`` (NCCL on
@@ -57,9 +60,11 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -73,6 +78,7 @@ GPT2_SMALL = {"name": "gpt2-124m", "family": "gpt2",
               "kwargs": dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024)}
 GPU_SETTINGS = {
     "budget_s": 480, "device": "cuda", "cap_bytes": 24 * GiB,
+    "lanes": 1,  # one job at a time: every timing has the GPU and the host to itself
     "gpt2": GPT2_XL, "batch": 8, "seq": 1024, "dtype": "bf16",
     "scale": [{"name": "llama-2-7b", "known": "llama-2-7b"}, {"name": "llama-2-13b", "known": "llama-2-13b"}],
     # a batch at which offload is worth its traffic; run as micro-batches where it does not fit
@@ -101,6 +107,7 @@ TINY_GPT2 = {"name": "gpt2-tiny", "family": "gpt2", "kwargs": dict(TINY, n_layer
 TINY_LLAMA = dict(TINY, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
 DRY_SETTINGS = {
     "budget_s": 420, "device": "cpu", "cap_bytes": None,
+    "lanes": 2,  # nothing is measured: two jobs at once keep a 2-core CI machine busy
     "gpt2": TINY_GPT2, "batch": 2, "seq": 32, "dtype": "bf16",
     # the first under a budget its batch of 8 does not fit (about a quarter of its unsplit
     # plan's peak): the planner's largest micro-batch that fits, as on the GPU
@@ -122,8 +129,9 @@ DRY_SETTINGS = {
 class Runner:
     """Starts jobs in their own processes against one deadline."""
 
-    def __init__(self, budget_s: float, workdir: Path, dry_run: bool) -> None:
+    def __init__(self, budget_s: float, workdir: Path, dry_run: bool, lanes: int = 1) -> None:
         self.deadline = time.monotonic() + budget_s
+        self.lanes = lanes  # how many jobs may run at once (run_all, main's sections)
         self.workdir = workdir
         self.env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                         TOKENIZERS_PARALLELISM="false", TRANSFORMERS_VERBOSITY="error",
@@ -133,6 +141,7 @@ class Runner:
         else:  # every system alike: a capped allocator should not fail on fragmentation
             self.env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         self.count = 0
+        self._count_lock = threading.Lock()  # lanes > 1: jobs are started from several threads
         self.disk_path = workdir / "disk_tier"  # main() points it at the results' disk
 
     def remaining(self) -> float:
@@ -145,8 +154,9 @@ class Runner:
         timeout = min(most, self.remaining())
         if timeout < least:
             return {"status": "skipped", "error": f"the suite's time budget is spent ({timeout:.0f} s left for it)"}
-        self.count += 1
-        out = self.workdir / f"job{self.count}.json"
+        with self._count_lock:
+            self.count += 1
+            out = self.workdir / f"job{self.count}.json"
         cmd = [sys.executable, str(JOBS), json.dumps(job), str(out)]
         if torchrun:
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1", *cmd[1:]]
@@ -167,6 +177,14 @@ class Runner:
             "stderr": stderr[-2000:]}
         result["wall_s"] = time.monotonic() - t0
         return result
+
+    def run_all(self, calls: list[tuple[dict, tuple[float, float], bool]]) -> list[dict]:
+        """``run`` for each (job, limits, torchrun) of jobs that do not depend on each other,
+        ``lanes`` at a time; the results in the order of ``calls``."""
+        if self.lanes <= 1:
+            return [self.run(*call) for call in calls]
+        with ThreadPoolExecutor(max_workers=self.lanes) as pool:
+            return list(pool.map(lambda call: self.run(*call), calls))
 
 
 class CpuAdamBuild:
@@ -228,9 +246,9 @@ def train_job(settings: dict, system: str, **extra) -> dict:
 def section_smoke(runner: Runner, s: dict) -> dict:
     job = {"job": "smoke", "device": s["device"], "archs": s["smoke_archs"], "plans": s["smoke_plans"]}
     t = s["timeouts"]
-    direct = runner.run(job, t["smoke"])
-    launched = runner.run(dict(job, torchrun=True, plans=["a_all_device", "d_all_cpu"]), t["smoke_torchrun"],
-                          torchrun=True)
+    direct, launched = runner.run_all([(job, t["smoke"], False),
+                                       (dict(job, torchrun=True, plans=["a_all_device", "d_all_cpu"]),
+                                        t["smoke_torchrun"], True)])
     ok = direct.get("status") == "ok" and launched.get("status") == "ok"
     return {"status": "ok" if ok else "failed", "direct": direct, "torchrun": launched}
 
@@ -440,6 +458,27 @@ def environment() -> dict:
     return env
 
 
+def run_sections(runner: Runner, settings: dict, chosen: list[str], results: dict, save: Callable[[], None]) -> None:
+    """The sections after the smoke test into ``results`` (in ``SECTIONS`` order), saved as
+    each ends: one after the other, or ``runner.lanes`` at a time in the same order of starting."""
+    ended: dict[str, Any] = {}
+    for name in SECTIONS:
+        if results["smoke"]["status"] != "ok":
+            ended[name] = not_run(name, "the smoke test failed")
+        elif name not in chosen:
+            ended[name] = not_run(name, "not among --sections")
+    with ThreadPoolExecutor(max_workers=max(1, runner.lanes)) as pool:
+        running = {pool.submit(SECTIONS[name], runner, settings): name for name in SECTIONS if name not in ended}
+        for done in as_completed(running):
+            ended[running[done]] = done.result()
+            results[running[done]] = ended[running[done]]  # a run cut short keeps what ended
+            save()
+    for name in SECTIONS:  # the file lists them in SECTIONS order, whichever ended first
+        results.pop(name, None)
+        results[name] = ended[name]
+    save()
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny models: every step, nothing measured")
@@ -474,7 +513,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     disk_root.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gpu_suite_") as tmp, \
             tempfile.TemporaryDirectory(prefix=".gpu_suite_disk_tier_", dir=disk_root) as disk_tmp:
-        runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run)
+        runner = Runner(args.budget or settings["budget_s"], Path(tmp), args.dry_run, settings["lanes"])
         runner.disk_path = Path(disk_tmp)
         results["environment"]["PYTORCH_CUDA_ALLOC_CONF"] = runner.env.get("PYTORCH_CUDA_ALLOC_CONF")
         cpu_adam = CpuAdamBuild(runner)
@@ -485,14 +524,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for key in ("gpu", "gpu_memory_bytes"):
             results["environment"][key] = results["smoke"]["direct"].get(key)
         save()
-        for name, section in SECTIONS.items():
-            if results["smoke"]["status"] != "ok":
-                results[name] = not_run(name, "the smoke test failed")
-            elif name not in args.sections:
-                results[name] = not_run(name, "not among --sections")
-            else:
-                results[name] = section(runner, settings)
-            save()
+        run_sections(runner, settings, args.sections, results, save)
     results["fidelity"] = fidelity(results)
     save()
     print("\n".join(summary_lines(results)))

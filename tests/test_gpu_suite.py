@@ -30,6 +30,10 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert _digest(COMMITTED) == before, "a dry run must not overwrite the committed results"
     data = json.loads(out.read_text())
     assert data["mode"].startswith("dry-run")
+    # a dry run starts its jobs two at a time (GPU runs one); the file keeps the sections' order
+    assert data["settings"]["lanes"] == 2
+    sections = ["smoke", "offload_24g", "trainer", "scale", "mfu", "recovery", "disk_tier", "fidelity"]
+    assert [k for k in data if k in sections] == sections
 
     smoke = data["smoke"]
     assert smoke["status"] == "ok" and not smoke["direct"]["failures"]
