@@ -4,8 +4,10 @@ Per architecture, both ranks build the same tiny model. Rank 0 trains it plainly
 whole batch (the reference); meanwhile rank 1 trains it plainly with the batch split in
 two halves whose gradients are averaged, as two data-parallel ranks would (the *spread*:
 how far plain PyTorch itself strays when only the rounding order changes). Then both
-ranks train it through hf_elixir, each on its half. Last, rank 1 trains the *twin*: plain
-PyTorch on the split batch with an identity view (``x.view_as(x)``) in front of every
+ranks train it through hf_elixir, each on its half. Last, the ranks train the *twin*
+together: plain PyTorch on the split batch, each rank backward on its half and the two
+halves' gradients summed between them (``split_across``: the very sum one process makes
+by accumulating them), with an identity view (``x.view_as(x)``) in front of every
 module whose inputs hf_elixir's hooks alias (``hf_elixir.profile.grad_marks``). The views change
 no value, only how autograd groups the sum of a gradient: a tensor read by a module and by
 the code around it (the residual stream entering a norm) gets the module's share summed
@@ -80,6 +82,34 @@ def _train_plain(model: torch.nn.Module, ids: torch.Tensor, splits: int, fused: 
     """Plain PyTorch on ``ids`` in ``splits`` micro-batches (2: two ranks' halves by hand)."""
     opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
     return plain_steps(model, opt, list(ids.chunk(splits)) * STEPS, clip=CLIP, accumulate=splits, loss_fn=_loss)
+
+
+def split_across(model: torch.nn.Module, ids: torch.Tensor, rank: int, group, fused: bool | None = None) -> list[float]:
+    """``_train_plain(model, ids, splits=2, fused)`` with its two micro-batches on the two ranks
+    of ``group``, to the bit: each rank's backward is one half's (its loss halved, as the
+    accumulating loop divides it), and the halves' gradients are summed between the ranks
+    before clipping. A sum of two addends is the same whichever comes first, so every rank
+    holds the gradients one process gets by accumulating the halves (a parameter neither
+    half reached keeps no gradient, as there), steps alike, and returns the same losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, fused=fused)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def sum_halves(step: int) -> None:
+        reached = torch.tensor([p.grad is not None for p in params], dtype=torch.uint8)
+        dist.all_reduce(reached, op=dist.ReduceOp.MAX, group=group)
+        summed = [p for p, r in zip(params, reached.tolist()) if r]
+        for dtype in {p.dtype for p in summed}:  # one collective per dtype
+            same = [p for p in summed if p.dtype == dtype]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in same])
+            dist.all_reduce(flat, group=group)
+            for p, g in zip(same, flat.split([p.numel() for p in same])):
+                p.grad = g.view_as(p)
+
+    mine = plain_steps(model, opt, [ids.chunk(2)[rank]] * STEPS, clip=CLIP, after_backward=sum_halves,
+                       loss_fn=lambda m, x: _loss(m, x) / 2)
+    both = [torch.zeros(STEPS, dtype=torch.float64) for _ in range(2)]
+    dist.all_gather(both, torch.tensor(mine, dtype=torch.float64), group=group)
+    return [0.0 + first + second for first, second in zip(both[0].tolist(), both[1].tolist())]
 
 
 def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -209,26 +239,24 @@ def _compare(rank: int, model_type: str, group) -> dict:
     # end here, not with the process, which otherwise ran a thousand idle threads a rank by
     # the sweep's end
     got.pop("runtime").close()
+    # plain PyTorch in hf_elixir's grouping (module docstring), a half on each rank
+    twin = with_input_views(build_tiny(model_type), got["hooked"])
     twin_ok, twin_error = True, ""
-    if rank == 1:  # plain PyTorch in hf_elixir's grouping (module docstring)
-        twin = with_input_views(build_tiny(model_type), got["hooked"])
-        try:
-            twin_losses = _train_plain(twin, ids, splits=2, fused=True)
-        except Exception as exc:
-            twin_ok, twin_error = False, f"{type(exc).__name__}: {str(exc)[:160]}"
+    try:
+        twin_losses = split_across(twin, ids, rank, group, fused=True)
+    except Exception as exc:
+        twin_ok, twin_error = False, f"{type(exc).__name__}: {str(exc)[:160]}"
     if not _agree(twin_ok, group):
         return {"status": "fail", "reason": f"plain PyTorch with identity views at the hooked modules "
                                             f"fails: {twin_error or 'on the other rank'}"}
     spread = _flat(plain.state_dict())
     spread_losses = torch.tensor(plain_losses, dtype=torch.float64)
-    twin_flat = _flat(twin.state_dict()) if rank == 1 else torch.empty_like(spread)
-    twin_losses = torch.tensor(twin_losses if rank == 1 else plain_losses, dtype=torch.float64)
-    for t in (spread, spread_losses, twin_flat, twin_losses):  # rank 1's runs, for rank 0
+    for t in (spread, spread_losses):  # rank 1's split run, for rank 0
         dist.broadcast(t, src=1, group=group)
     out = {"status": "ran", "seconds": time.perf_counter() - started, "info": got["info"], "threads": threads}
     if rank == 0:
-        out.update(verdict(start, _flat(plain.state_dict()), spread, twin_flat, _flat(got["state"]),
-                           plain_losses, spread_losses.tolist(), twin_losses.tolist(), got_losses))
+        out.update(verdict(start, _flat(plain.state_dict()), spread, _flat(twin.state_dict()), _flat(got["state"]),
+                           plain_losses, spread_losses.tolist(), twin_losses, got_losses))
     return out
 
 

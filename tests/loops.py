@@ -11,6 +11,8 @@ without accumulation gets the numbers the loop without those operations gave.
 them to a step; ``[ids] * steps`` trains ``steps`` steps on one batch. ``each_step(step)``
 runs before each step (a model's control flow for that step, a counter to reset, the
 learning rate the step uses). ``loss_fn(model, ids)`` is the loss of one micro-batch.
+``after_backward(step)`` (plain side) runs once a step's micro-batches are all backward, before
+clipping: gradients summed between ranks by hand, as data parallelism would.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ def _steps(batches: Iterable[torch.Tensor], accumulate: int) -> Iterator[tuple[i
 
 def plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batches: Iterable[torch.Tensor], *,
                 clip: Optional[float] = None, scheduler=None, accumulate: int = 1,
-                loss_fn: Optional[LossFn] = None, each_step: Optional[EachStep] = None) -> list[float]:
+                loss_fn: Optional[LossFn] = None, each_step: Optional[EachStep] = None,
+                after_backward: Optional[EachStep] = None) -> list[float]:
     """Plain PyTorch: the reference every comparison is against. ``model`` may be wrapped in
     DDP (or sharded by FSDP2): the loop is the same, and the loss is this rank's own.
 
@@ -59,6 +62,8 @@ def plain_steps(model: torch.nn.Module, optimizer: torch.optim.Optimizer, batche
             loss = loss_fn(model, ids) / accumulate
             loss.backward()
             total += loss.item()
+        if after_backward is not None:
+            after_backward(step)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()

@@ -13,10 +13,11 @@ import functools
 import time
 
 import torch
+import torch.distributed as dist
 
 from arch_configs import SEQ, build_tiny, causal_lm_types, make_ids
-from arch_sweep import (BATCH, CLIP, LR, STEPS, _loss, _train_plain, chunk_size, first_gradients, split_gradients,
-                        sweep, twin_gradients)
+from arch_sweep import (BATCH, CLIP, LR, STEPS, _flat, _loss, _train_plain, chunk_size, first_gradients,
+                        split_across, split_gradients, sweep, twin_gradients, with_input_views)
 from loops import elixir_steps
 from harness import run_distributed
 
@@ -53,10 +54,40 @@ def _issue_39(rank: int, world_size: int) -> dict:
     """One spawned pair: the sweep's comparison of the case, one backward's gradients, and
     the case trained through hf_elixir with the sweep's plan and with a plan that offloads
     nothing and caches every chunk."""
-    return {"sweep": sweep(rank, world_size, [ISSUE_39])[ISSUE_39],
-            "first": first_gradients(rank, world_size, ISSUE_39),
+    first = first_gradients(rank, world_size, ISSUE_39)
+    return {"sweep": sweep(rank, world_size, [ISSUE_39])[ISSUE_39], "first": first,
             "plans": {name: _issue_39_elixir(rank, offload, cache_all)
-                      for name, (offload, cache_all) in _ISSUE_39_PLANS.items()}}
+                      for name, (offload, cache_all) in _ISSUE_39_PLANS.items()},
+            "split": {mt: _split_against_accumulated(rank, mt, first["hooked"] if mt == ISSUE_39 else set())
+                      for mt in (ISSUE_39, "gpt2", "mixtral")}}
+
+
+def _split_against_accumulated(rank: int, model_type: str, views: set[str]) -> dict:
+    """The sweep's twin of ``model_type`` (identity views at ``views``) trained by
+    ``split_across`` on the pair and, on rank 0, by one process accumulating both halves;
+    each with a parameter nothing reads, whose gradient must stay unset. Rank 0 says
+    whether the two ranks ended on the same bits."""
+    def twin() -> torch.nn.Module:
+        model = with_input_views(build_tiny(model_type), views)
+        model.register_parameter("never_read", torch.nn.Parameter(torch.ones(3)))
+        return model
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the sweep's ranks run
+    try:
+        ids = make_ids(BATCH, SEQ, model_type=model_type)
+        split = twin()
+        losses = split_across(split, ids, rank, None, fused=True)
+        flats = [torch.empty_like(_flat(split.state_dict())) for _ in range(2)]
+        dist.all_gather(flats, _flat(split.state_dict()))
+        if rank != 0:
+            return {}
+        accumulated = twin()
+        return {"losses": (losses, _train_plain(accumulated, ids, splits=2, fused=True)),
+                "states": (split.state_dict(), accumulated.state_dict()),
+                "ranks_agree": torch.equal(*flats)}
+    finally:
+        torch.set_num_threads(threads)
 
 
 # the sweep's plan (8 chunks, 2 rCache blocks, half the optimizer state offloaded), and one
@@ -165,6 +196,22 @@ def test_granitemoehybrid_of_issue_39_gradients_are_its_twins_bit_for_bit() -> N
     assert not different, different
     plain = twin_gradients(ISSUE_39, set())
     assert any(not torch.equal(plain[name], twin[name]) for name in twin)
+
+
+def test_the_sweeps_twin_split_over_two_ranks_is_the_accumulated_twin_bit_for_bit() -> None:
+    """The sweep trains the twin with a half of the batch on each rank (``split_across``), so
+    that neither rank idles while the other trains it: the losses and weights are those of
+    one process accumulating both halves, to the bit, on both ranks (experts, tied
+    embeddings, identity views), and a parameter no half reaches keeps no gradient (AdamW's
+    weight decay would otherwise have moved its ones)."""
+    for model_type, got in _issue_39_results()["split"].items():
+        (split_losses, accumulated_losses), (split, accumulated) = got["losses"], got["states"]
+        assert split_losses == accumulated_losses, model_type
+        assert split.keys() == accumulated.keys() and "never_read" in split
+        moved = [k for k in split if not torch.equal(split[k], accumulated[k])]
+        assert not moved, (model_type, moved)
+        assert got["ranks_agree"], model_type
+        assert torch.equal(split["never_read"], torch.ones(3)), model_type
 
 
 def test_granitemoehybrid_of_issue_39_strays_by_rounding_not_a_fault() -> None:
