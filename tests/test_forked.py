@@ -8,6 +8,7 @@ import pytest
 from transformers import LlamaConfig
 
 import hf_elixir as hfe
+from hf_elixir.planner import search
 from hf_elixir.profile.forked import forked_map
 from hf_elixir.profile.profiler import profile_model
 from hf_elixir.profile.fold import same_profile
@@ -41,8 +42,11 @@ def test_plans_with_workers_equal_plans_without() -> None:
     one = profile_model(config, (2, 32), dtype="bf16")
     two = profile_model(config, (2, 32), dtype="bf16", workers=2)
     assert one.extra.get("traced_layers") and same_profile(one, two)
-    plans = [hfe.plan(config, (2, 32), hardware="rtx4090", world_size=2, profile=one,
-                      workers=w) for w in (1, 2)]
+    priced = search.CANDIDATES.priced
+    # each from a profile of its own, so the second search is not recalled from the first's
+    plans = [hfe.plan(config, (2, 32), hardware="rtx4090", world_size=2, profile=prof,
+                      workers=w) for prof, w in ((one, 1), (two, 2))]
+    assert search.CANDIDATES.priced == priced + 2
     same = [p.to_dict() for p in plans]
     for d in same:
         for took in ("profile_seconds", "search_seconds"):  # how long planning took

@@ -228,3 +228,39 @@ def test_a_runner_up_held_back_by_the_offload_margin_says_so(gpt2):
             and (a["optim_offload_chunks"] or a["param_offload_chunks"])]
     assert tied and all(a["reason"] == f"same predicted time but offloads (offloading must win by {OFFLOAD_MARGIN:.0%})"
                         for a in tied)
+
+
+def test_plans_of_one_profile_price_its_candidates_once(llama):
+    """A sweep of budgets over one profile prices its candidates once (``planner.memo``):
+    a recalled search plans what a fresh one plans; other hardware, another world size, a
+    profile changed in place, or a new profile object are priced anew."""
+    from hf_elixir.planner import search
+
+    model, prof = llama
+    search.CANDIDATES.clear()
+    priced = search.CANDIDATES.priced
+
+    def planned(budget: float, profile=prof, hardware="a100-80g", world_size: int = 2) -> dict:
+        d = plan(model, (2, 32), hardware=hardware, world_size=world_size, dtype="fp32", memory_budget=budget,
+                 profile=profile).to_dict()
+        for took in ("profile_seconds", "search_seconds"):  # how long planning took
+            d["predictions"].pop(took)
+        return d
+
+    roomy = planned(80 * GiB)
+    ctx = HardwareProfile.preset("a100-80g").context_bytes
+    squeezed = ctx + (roomy["predictions"]["peak_bytes"] - ctx) * 0.4
+    tight = planned(squeezed)
+    assert search.CANDIDATES.priced == priced + 1 and tight != roomy
+    search.CANDIDATES.clear()  # the same plans from a fresh search
+    assert planned(squeezed) == tight and planned(80 * GiB) == roomy
+    assert search.CANDIDATES.priced == priced + 2
+    planned(80 * GiB, hardware="rtx4090")
+    planned(80 * GiB, world_size=3)
+    assert search.CANDIDATES.priced == priced + 4
+    copy = profile_model(model, (2, 32), dtype="float32", attention_target="cuda")
+    planned(80 * GiB, profile=copy)
+    assert search.CANDIDATES.priced == priced + 5
+    copy.params[0].frozen = True  # changed in place: its candidates change with it
+    planned(80 * GiB, profile=copy)
+    assert search.CANDIDATES.priced == priced + 6

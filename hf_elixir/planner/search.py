@@ -38,6 +38,7 @@ from hf_elixir.hardware import HardwareProfile, parse_memory
 from hf_elixir.planner import cost, disk, fetches, levers, packing, pricing, traffic
 from hf_elixir.planner.candidate import Candidate, chain, signature
 from hf_elixir.planner.efficiency import compute_figures, model_efficiency
+from hf_elixir.planner.memo import CandidateMemo
 from hf_elixir.planner.record import ChunkPlan, ElixirPlan, PlanError, canonical_dtype
 from hf_elixir.planner.verdict import alternatives as _alternatives, infeasible as _infeasible
 from hf_elixir.profile.forked import forked_map
@@ -93,17 +94,29 @@ def _collector_paused(search: Callable[..., T]) -> Callable[..., T]:
     return paused
 
 
-@_collector_paused
+#: the last searches' candidates (``memo``): plans of one profile at other budgets reuse them
+CANDIDATES = CandidateMemo()
+
+
 def enumerate_candidates(profile: ModelProfile, hw: HardwareProfile, world_size: int,
                          compute_dtype: str, optimizer: str,
                          efficiency: float | None = None, workers: int = 1) -> tuple[list[Candidate], dict]:
-    """Every candidate with its predicted memory and time (independent of the budget).
+    """Every candidate with its predicted memory and time (independent of the budget, so
+    recalled from ``CANDIDATES`` when this profile was searched so before: shared, never
+    to be changed in place).
 
     ``efficiency``: this model's measured compute efficiency (``model_efficiency``); None
     takes the calibrated one for the model's width. ``workers``: processes to search the
     chunk sizes in (``profile.forked``; the command line's, never a training process's). Returns the candidates and, per chunk
     size, its packing (each chunk trainable or frozen: ``frozen_chunk_ids``).
     """
+    return CANDIDATES.recall(profile, hw, (world_size, compute_dtype, optimizer, efficiency), lambda: _enumerate(
+        profile, hw, world_size, compute_dtype, optimizer, efficiency, workers))
+
+
+@_collector_paused
+def _enumerate(profile: ModelProfile, hw: HardwareProfile, world_size: int, compute_dtype: str, optimizer: str,
+               efficiency: float | None, workers: int) -> tuple[list[Candidate], dict]:
     sizes = {p.name: p.numel for p in profile.params}
     frozen_names = frozenset(p.name for p in profile.params if p.frozen)
     order = profile.param_order()
