@@ -7,6 +7,7 @@ state that can be offloaded, 2 B that normally stays.
 
 from __future__ import annotations
 
+import gc
 
 import pytest
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
@@ -264,3 +265,7 @@ def test_plans_of_one_profile_price_its_candidates_once(llama):
     copy.params[0].frozen = True  # changed in place: its candidates change with it
     planned(80 * GiB, profile=copy)
     assert search.CANDIDATES.priced == priced + 6
+    held = len(search.CANDIDATES)
+    del copy  # a profile's candidates go with it
+    gc.collect()
+    assert len(search.CANDIDATES) == held - 1

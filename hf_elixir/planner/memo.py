@@ -6,8 +6,8 @@ profile at several budgets (a sweep in a notebook or a test, ``auto_find_batch_s
 second look at a micro-batch) and ``candidate_plans`` after ``plan`` would price the same
 candidates each time; the memo prices them once.
 
-An entry is found by the profile object itself, held weakly (a new profile at a dead one's
-address is never taken for it), with the same parameters, batch and trace as when it was
+An entry is found by the profile object itself, held weakly (the entry goes when the profile
+does, and a new profile at a dead one's address is never taken for it), with the same parameters, batch and trace as when it was
 priced (a profile changed in place is priced again), and by equal hardware figures and
 search arguments. The candidates are shared by every plan that recalls them, so nothing
 downstream may change one in place: ``disk.place`` copies what it changes.
@@ -52,11 +52,17 @@ class CandidateMemo:
             return entry[3]
         value = price()
         self.priced += 1
-        self._entries[key] = (weakref.ref(profile), print_, copy.deepcopy(hw), value)
+        # the entry goes with its profile: a training process that planned once holds no
+        # candidates once it has dropped the profile
+        gone = weakref.ref(profile, lambda _, entries=self._entries, key=key: entries.pop(key, None))
+        self._entries[key] = (gone, print_, copy.deepcopy(hw), value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.keep:
             self._entries.popitem(last=False)
         return value
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
     def clear(self) -> None:
         self._entries.clear()
