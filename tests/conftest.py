@@ -20,7 +20,13 @@ if "HF_ELIXIR_CACHE" not in os.environ:
 
 def pytest_sessionstart(session) -> None:
     """Start the server the multi-process tests fork their ranks from (harness.py) before any
-    test changes the environment; it imports torch and transformers while collection runs."""
+    test changes the environment; it imports torch and transformers while collection runs.
+
+    Under pytest-xdist (``-n 2``, the README's command) each worker is a session of its own
+    and starts its own server; the controller, which runs no test, starts none.
+    """
     from harness import start_rank_server
 
+    if getattr(session.config.option, "numprocesses", None) and not hasattr(session.config, "workerinput"):
+        return
     start_rank_server()

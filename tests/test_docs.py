@@ -22,7 +22,7 @@ MAX_README_LINES = 160
 
 SETUP_COMMANDS = (
     "pip install torch==2.13.0 && pip install -e . && hf-elixir demo",
-    'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q --durations=20 tests',
+    'pip install torch==2.13.0 && pip install -e ".[test]" && python -m pytest -q -n 2 --dist loadfile --durations=20 tests',
 )
 
 # inline links and images: [text](target) / ![alt](target), target optionally followed by a title

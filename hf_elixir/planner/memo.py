@@ -7,10 +7,11 @@ second look at a micro-batch) and ``candidate_plans`` after ``plan`` would price
 candidates each time; the memo prices them once.
 
 An entry is found by the profile object itself, held weakly (the entry goes when the profile
-does, and a new profile at a dead one's address is never taken for it), with the same parameters, batch and trace as when it was
-priced (a profile changed in place is priced again), and by equal hardware figures and
-search arguments. The candidates are shared by every plan that recalls them, so nothing
-downstream may change one in place: ``disk.place`` copies what it changes.
+does, and a new profile at a dead one's address is never taken for it), with the same
+parameters, batch and trace as when it was priced (a profile changed in place is priced
+again), and by equal hardware figures and search arguments. The candidates are shared by
+every plan that recalls them, so nothing downstream may change one in place: ``disk.place``
+copies what it changes.
 """
 
 from __future__ import annotations
@@ -45,9 +46,9 @@ class CandidateMemo:
 
     def recall(self, profile: ModelProfile, hw: HardwareProfile, args: Hashable, price: Callable[[], Any]) -> Any:
         key = (id(profile), args)
-        print_ = _fingerprint(profile)
+        fingerprint = _fingerprint(profile)
         entry = self._entries.get(key)
-        if entry is not None and entry[0]() is profile and entry[1] == print_ and entry[2] == hw:
+        if entry is not None and entry[0]() is profile and entry[1] == fingerprint and entry[2] == hw:
             self._entries.move_to_end(key)
             return entry[3]
         value = price()
@@ -55,7 +56,7 @@ class CandidateMemo:
         # the entry goes with its profile: a training process that planned once holds no
         # candidates once it has dropped the profile
         gone = weakref.ref(profile, lambda _, entries=self._entries, key=key: entries.pop(key, None))
-        self._entries[key] = (gone, print_, copy.deepcopy(hw), value)
+        self._entries[key] = (gone, fingerprint, copy.deepcopy(hw), value)
         self._entries.move_to_end(key)
         while len(self._entries) > self.keep:
             self._entries.popitem(last=False)
