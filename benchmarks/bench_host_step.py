@@ -19,9 +19,11 @@ hits both:
 - ``add``: the gradient's add alone, PyTorch's (``torch_mixed``) and the runtime's
   (``hf_elixir``), milliseconds;
 - ``host_step``: elements per second of the host's whole step as the planner's calibration
-  times it (``measure/host_rate.py``: the download's copy, the clipping, the one-pass update;
-  ``hf_elixir``), and the same step with PyTorch's mixed add into a zeroed shard and the
-  zeroing pass (``plain``).
+  times it (``measure/host_rate.py``: the download's copy, the clipping's norm, the one-pass
+  update taking the clipping's factor as it reads; ``hf_elixir``), the same step with the
+  scaling as a pass of its own before the update (``clip_pass``, the runtime until the loop
+  took the factor), and with PyTorch's mixed add into a zeroed shard, the scaling pass and
+  the zeroing pass (``plain``).
 
 Results go to ``benchmarks/results/bench_host_step.json``.
 """
@@ -50,7 +52,7 @@ def torch_mixed(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 ADDS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"torch_mixed": torch_mixed, "hf_elixir": add_widened}
-STEPS = ("plain", "hf_elixir")
+STEPS = ("plain", "clip_pass", "hf_elixir")
 
 
 def time_add(add: Callable[[torch.Tensor, torch.Tensor], None], target: torch.Tensor, source: torch.Tensor) -> float:
@@ -76,13 +78,15 @@ def measure(elems: int, threads: int, repeats: int) -> dict:
                 adds[name].append(time_add(add, target, source))
         for _ in range(max(1, repeats // 3)):
             for name in STEPS:
-                steps[name].append(host_update_rate(elems, threads, plain=name == "plain"))
+                steps[name].append(host_update_rate(elems, threads, plain=name == "plain",
+                                                    clip_pass=name == "clip_pass"))
     add_ms = {name: statistics.median(v) * 1e3 for name, v in adds.items()}
     step_rate = {name: statistics.median(v) for name, v in steps.items()}
     return {"threads": threads, "elements": elems, "bit_equal": equal, "add_ms": add_ms,
             "host_step_elements_per_s": step_rate,
             "add_speedup": add_ms["torch_mixed"] / add_ms["hf_elixir"],
-            "host_step_speedup": step_rate["hf_elixir"] / step_rate["plain"]}
+            "host_step_speedup": step_rate["hf_elixir"] / step_rate["plain"],
+            "clip_in_update_speedup": step_rate["hf_elixir"] / step_rate["clip_pass"]}
 
 
 def main() -> None:
@@ -101,8 +105,10 @@ def main() -> None:
         rows.append(row)
         print(f"{threads:2d} thread(s), {args.elements / 2**20:.0f}M elements: add {row['add_ms']['torch_mixed']:.1f} ms "
               f"(PyTorch) vs {row['add_ms']['hf_elixir']:.1f} ms (hf_elixir), {row['add_speedup']:.2f}x; host step "
-              f"{row['host_step_elements_per_s']['plain'] / 1e6:.0f} vs "
-              f"{row['host_step_elements_per_s']['hf_elixir'] / 1e6:.0f} M elements/s, {row['host_step_speedup']:.2f}x; "
+              f"{row['host_step_elements_per_s']['plain'] / 1e6:.0f} (plain) vs "
+              f"{row['host_step_elements_per_s']['clip_pass'] / 1e6:.0f} (a clipping pass) vs "
+              f"{row['host_step_elements_per_s']['hf_elixir'] / 1e6:.0f} M elements/s, {row['host_step_speedup']:.2f}x "
+              f"plain, {row['clip_in_update_speedup']:.2f}x the clipping pass; "
               f"bit equal: {row['bit_equal']}", flush=True)
     write_results(args.out, {"machine": machine(), "rows": rows})
 

@@ -21,6 +21,6 @@ def test_quick_run_times_both_adds_and_both_host_steps(tmp_path: Path) -> None:
     assert [row["threads"] for row in rows] == [1, 2]
     for row in rows:
         assert row["bit_equal"] is True and row["elements"] == 1 << 20
-        for field, arms in (("add_ms", {"torch_mixed", "hf_elixir"}), ("host_step_elements_per_s", {"plain", "hf_elixir"})):
+        for field, arms in (("add_ms", {"torch_mixed", "hf_elixir"}), ("host_step_elements_per_s", {"plain", "clip_pass", "hf_elixir"})):
             assert set(row[field]) == arms and min(row[field].values()) > 0
-        assert row["add_speedup"] > 0 and row["host_step_speedup"] > 0
+        assert row["add_speedup"] > 0 and row["host_step_speedup"] > 0 and row["clip_in_update_speedup"] > 0

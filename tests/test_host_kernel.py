@@ -268,3 +268,35 @@ def test_a_view_the_loop_cannot_read_flat_is_refused(fresh_cache: Path) -> None:
     with pytest.raises(RuntimeError, match="contiguous CPU views"):
         runner.update("adamw", GROUP, b, [None])
     assert torch.equal(flat, torch.zeros(64)) and float(b["steps"][0]) == 0.0  # refused before any change
+
+
+@pytest.mark.parametrize("copy_dtype", [torch.bfloat16, None])
+def test_the_clipping_factor_is_the_separate_multiply_bit_for_bit(fresh_cache: Path,
+                                                                  copy_dtype: torch.dtype | None) -> None:
+    """The loop's gradient factor (clipping's, left pending on a host chunk) gives, bit for
+    bit, what ``grad.mul_(factor)`` and then the loop gave, and leaves the gradient as it was;
+    a factor of 1 changes nothing. Runs long enough to be split between the threads."""
+    torch.set_num_threads(2)
+    runner = OnePassAdam(2)
+    gen = torch.Generator().manual_seed(3)
+    n = 2 * SPLIT_AT + 7
+    for factor in (0.3, 1.0, 0.0123):
+        f = torch.tensor(factor, dtype=torch.float32)
+        base = {name: torch.randn(n, generator=gen) for name in ("params", "grads")}
+        base["exp_avg"] = torch.randn(n, generator=gen) * 1e-3
+        base["exp_avg_sq"] = torch.rand(n, generator=gen) * 1e-4
+        runs = {}
+        for folded in (True, False):
+            t = {name: v.clone() for name, v in base.items()}
+            if not folded:
+                t["grads"].mul_(f)
+            out = torch.empty(n, dtype=copy_dtype) if copy_dtype is not None else None
+            batch = {name: [v] for name, v in t.items()} | {"steps": [torch.zeros(())]}
+            for _ in range(2):
+                runner.update("adamw", GROUP, batch, [out], float(f) if folded else 1.0)
+            runs[folded] = (t, out)
+        (ours, out_ours), (theirs, out_theirs) = runs[True], runs[False]
+        for name in ("params", "exp_avg", "exp_avg_sq"):
+            assert torch.equal(ours[name], theirs[name]), (factor, name)
+        assert out_ours is None or torch.equal(out_ours, out_theirs)
+        assert torch.equal(ours["grads"], base["grads"])  # the factor stays pending

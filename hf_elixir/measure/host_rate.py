@@ -17,17 +17,19 @@ from hf_elixir.runtime.update import apply_update
 
 
 def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16,
-                     plain: bool = False) -> float:
+                     plain: bool = False, clip_pass: bool = False) -> float:
     """Elements/s of everything the host does, per element of an offloaded chunk, in a step
     on a GPU, with the runtime's own kernels and the threads its host update uses
     (``runtime/threads.py``): the downloaded compute-dtype gradient copied into the fp32
     gradient shard (the step's one download: ``zero_grad`` left the clearing to it, in
-    ``disk_tier.clear_grad``), the clipping norm and scaling (``grad_shards.py``), and the
-    update with its compute-dtype copy (``host_kernel.py``'s one-pass loop, or PyTorch's
-    fused kernel and a cast where the loop is not usable).
+    ``disk_tier.clear_grad``), the clipping norm (``grad_shards.py``), and the update with
+    its compute-dtype copy and the clipping's scaling (``host_kernel.py``'s one-pass loop, or
+    a scaling pass, PyTorch's fused kernel and a cast where the loop is not usable).
 
     ``plain``: the same step as PyTorch's own operations take it, the gradient added into a
-    zeroed shard and the shard zeroed again (``benchmarks/bench_host_step.py`` compares)."""
+    zeroed shard and the shard zeroed again (``benchmarks/bench_host_step.py`` compares).
+    ``clip_pass``: the clipping's scaling as a pass of its own before the update, as the
+    runtime took it before the loop took the factor (the benchmark's third arm)."""
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     master, grad, m, v = (torch.zeros(elems) for _ in range(4))
     master.normal_()
@@ -42,9 +44,11 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
         else:
             grad.copy_(staging)
         coef = torch.clamp(1.0 / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
-        grad.mul_(coef)
-        if loop is not None:
-            loop.update("adamw", group, batch, [staging])
+        separate = plain or clip_pass or loop is None
+        if separate:  # PyTorch's clipping scales the gradient in a pass of its own
+            grad.mul_(coef)
+        if loop is not None:  # the loop multiplies by the factor as it reads (Chunk.grad_factor)
+            loop.update("adamw", group, batch, [staging], 1.0 if separate else float(coef))
         else:
             apply_update("adamw", group, master.device, batch, set())
             staging.copy_(master)

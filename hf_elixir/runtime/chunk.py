@@ -113,6 +113,11 @@ class Chunk:
     # download is copied in rather than added, and the pass that zeroes the shard is saved
     # (``settle_grad`` clears it for any other reader first)
     grad_zeroed: bool = False
+    # a host chunk's gradient clipping factor, not yet multiplied in: the gradient is the
+    # shard times it. Its update reads it as it reads the shard (the one-pass loop), which
+    # saves the clipping a pass over the shard on the main thread; ``settle_grad`` multiplies
+    # it in for any other reader, and clearing the gradient drops it
+    grad_factor: Optional[torch.Tensor] = field(default=None, repr=False)
     # a frozen chunk holds parameters that need no gradient: its shard is all it has (the
     # master aliases it, the gradient shard is empty, it is never reduced or updated)
     frozen: bool = False
@@ -261,13 +266,19 @@ class Chunk:
         self.state = ChunkState.RELEASED
 
     # ------------------------------------------------------------------ gradients
-    def settle_grad(self) -> None:
+    def settle_grad(self, keep_factor: bool = False) -> None:
         """Make the gradient shard hold what it means: zeros after a ``zero_grad`` whose
-        clearing was left to the next download (``grad_zeroed``). Every reader of the shard
-        but that download calls this first."""
+        clearing was left to the next download (``grad_zeroed``), the clipped gradient where
+        the clipping factor is pending (``grad_factor``; ``keep_factor``: the caller is the
+        update, which takes the factor itself). Every reader and writer of the shard but that
+        download calls this first."""
         if self.grad_zeroed:
             self.grad_shard.zero_()
             self.grad_zeroed = False
+            self.grad_factor = None
+        if self.grad_factor is not None and not keep_factor:
+            self.grad_shard.mul_(self.grad_factor)
+            self.grad_factor = None
 
     def receive_grad(self, slot: Slot, grad: torch.Tensor) -> None:
         """Copy one parameter's full gradient into the chunk's gradient buffer."""

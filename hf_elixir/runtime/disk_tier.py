@@ -490,7 +490,9 @@ def clear_grad(tier: Optional[DiskTier], chunk) -> None:
     each such chunk's gradient down, and the first download is copied in over the old values
     (``GradReducer._drain_downloads``), which saves a pass over the shard. Downloads must be
     the shard's only writer for that: not so for a chunk with direct gradients (one rank with
-    its shard where it computes), which is cleared."""
+    its shard where it computes), which is cleared. A pending clipping factor goes with the
+    gradient it scaled."""
+    chunk.grad_factor = None
     if tier is not None and tier.holds(chunk.index):
         tier.grads.forget(chunk.index)
     elif chunk.staging is not None and not chunk.direct_grads:

@@ -3,7 +3,8 @@
 Each pass reads every trainable chunk's gradient shard wherever it lives: a tensor on the
 device or in host memory, or, for a chunk on the disk tier, the gradient plane of its file
 (read one chunk at a time, so the disk tier's gradients are never all in memory; a scaling
-is recorded and applied where the plane is next read: ``disk_grads.py``). Shards are
+is recorded and applied where the plane is next read: ``disk_grads.py``; a host chunk's
+clipping is left to its update, which multiplies as it reads: ``Chunk.grad_factor``). Shards are
 grouped by the device that would hold them in memory, in chunk order, so a disk chunk
 takes the place its host-tier twin would: the norms are summed in the same order and the
 result is the same, bit for bit.
@@ -43,11 +44,19 @@ def values(chunks: Sequence[Chunk], disk: Optional[DiskTier]) -> Iterator[torch.
         yield disk.grads.read_scaled(chunk.index) if chunk.disk else chunk.grad_shard
 
 
-def scale(chunks: Sequence[Chunk], disk: Optional[DiskTier], factor: Union[float, torch.Tensor]) -> None:
+def scale(chunks: Sequence[Chunk], disk: Optional[DiskTier], factor: Union[float, torch.Tensor],
+          defer: frozenset[int] = frozenset()) -> None:
     """Multiply every gradient shard by ``factor`` (on the disk tier: recorded, applied when
-    each plane is next read)."""
+    each plane is next read; for the chunks in ``defer``, whose update multiplies as it reads:
+    left pending, ``Chunk.grad_factor``). The shards were settled (``by_device``), so no
+    factor is pending when another is recorded."""
     for chunk in chunks:
-        if not chunk.disk:
+        if chunk.disk:
+            continue
+        if chunk.index in defer and isinstance(factor, torch.Tensor) and factor.dtype == torch.float32:
+            assert chunk.grad_factor is None and not chunk.grad_zeroed
+            chunk.grad_factor = factor
+        else:
             chunk.grad_shard.mul_(factor)
     if disk is not None and any(c.disk for c in chunks):
         disk.grads.scale(factor)
@@ -74,9 +83,9 @@ def _norm(chunk: Chunk, disk: Optional[DiskTier], norm_type: float) -> torch.Ten
 
 
 def clip(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives, max_norm: float,
-         norm_type: float) -> torch.Tensor:
+         norm_type: float, defer: frozenset[int] = frozenset()) -> torch.Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (one all-reduce);
-    returns the total norm."""
+    returns the total norm. ``defer``: chunks whose scaling is left to their update (``scale``)."""
     norm_type = float(norm_type)
     groups = by_device(chunks, disk)  # one host sync per device, not one per chunk
     if norm_type == math.inf:
@@ -93,5 +102,5 @@ def clip(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives, m
         total = comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for device, group in groups.items():
-        scale(group, disk, coef.to(device))  # one small copy per device
+        scale(group, disk, coef.to(device), defer)  # one small copy per device
     return total

@@ -6,7 +6,10 @@ parameter. PyTorch's fused kernel does exactly that; the copy the device needs n
 master cast to bf16, into the staging buffer or the host shard) is then a second pass that
 reads the master again and converts it: 6 bytes more, and a conversion this VM's cores do
 at about 3 G elements/s each. One loop that writes the bf16 copy from the values it has just
-computed moves 30 bytes per parameter, once.
+computed moves 30 bytes per parameter, once. It also takes the gradient clipping's factor
+(``grad_shards.clip`` leaves it pending on a host chunk, ``Chunk.grad_factor``) and multiplies
+each gradient by it as it reads it, as ``grad.mul_(factor)`` would have in a pass of its own
+(8 more bytes per parameter, on the main thread, before any update could start).
 
 The loop is a few lines of C (``_SOURCE``), compiled for this machine's CPU the first time a
 process needs it (``cc -O3 -march=native``, about a second) and kept in the calibration cache
@@ -84,13 +87,14 @@ static inline void adam(float *restrict param, const void *restrict grad, float 
                         float *restrict exp_avg_sq, void *restrict out, int64_t n, const float *s,
                         const int grad_bf16, const int out_kind, const int decoupled, const int maximize) {
     const float decay = s[0], one_minus_beta1 = s[1], beta2 = s[2], one_minus_beta2 = s[3], eps = s[4],
-                step_size = s[5], bc2_sqrt = s[6];
+                step_size = s[5], bc2_sqrt = s[6], factor = s[7];
     const float *g32 = (const float *)grad;
     const uint16_t *g16 = (const uint16_t *)grad;
     float *o32 = (float *)out;
     uint16_t *o16 = (uint16_t *)out;
     for (int64_t i = 0; i < n; i++) {
-        float g = grad_bf16 ? from_bf16(g16[i]) : g32[i];
+        /* the clipping factor, rounded as a separate fp32 multiply rounds it (1 is exact) */
+        float g = (grad_bf16 ? from_bf16(g16[i]) : g32[i]) * factor;
         if (maximize) g = -g;
         float p = param[i];
         if (decoupled) p = p * decay; else g = g + decay * p;
@@ -184,16 +188,18 @@ def _load(path: Path) -> ctypes.CDLL:
     return lib
 
 
-def _scalars(group: dict, step: float, decoupled: bool) -> torch.Tensor:
+def _scalars(group: dict, step: float, decoupled: bool, factor: float = 1.0) -> torch.Tensor:
     """The scalars of one call at ``step`` (the count after this update), in the order the
     loop reads ``s``: AdamW's factor ``1 - lr * weight_decay`` (Adam's ``weight_decay``),
-    ``1 - beta1``, ``beta2``, ``1 - beta2``, ``eps``, the step size and the square root of
-    the second bias correction. Each is computed in double precision and rounded once, as
-    PyTorch's kernel takes them (``1 - beta2`` rounded from a rounded ``beta2`` is 5e-5 off)."""
+    ``1 - beta1``, ``beta2``, ``1 - beta2``, ``eps``, the step size, the square root of the
+    second bias correction and the gradient's factor (clipping's; 1 for none). Each is
+    computed in double precision and rounded once, as PyTorch's kernel takes them
+    (``1 - beta2`` rounded from a rounded ``beta2`` is 5e-5 off); the factor is an fp32
+    value already."""
     beta1, beta2 = (float(b) for b in group["betas"])
     lr, decay = float(group["lr"]), float(group["weight_decay"])
     return torch.tensor([1 - lr * decay if decoupled else decay, 1 - beta1, beta2, 1 - beta2, float(group["eps"]),
-                         lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step)], dtype=torch.float32)
+                         lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step), factor], dtype=torch.float32)
 
 
 class OnePassAdam:
@@ -241,10 +247,12 @@ class OnePassAdam:
             return None, error
         return lib, None
 
-    def update(self, algorithm: str, group: dict, b: dict[str, list], outs: Sequence[Optional[torch.Tensor]]) -> None:
+    def update(self, algorithm: str, group: dict, b: dict[str, list], outs: Sequence[Optional[torch.Tensor]],
+               factor: float = 1.0) -> None:
         """Update the runs of ``b`` (lists of flat fp32 views, as ``apply_update`` takes them)
         and write each run's new values into ``outs`` (a view of the compute-dtype copy, or
-        None), all in one pass."""
+        None), all in one pass; each gradient is taken times ``factor`` (an fp32 value: a
+        clipping's, which the gradient in memory does not hold yet)."""
         lib = self._library()[0]
         assert lib is not None, "OnePassAdam.update called where it is not usable"
         for i in range(len(b["params"])):  # all of them before anything changes
@@ -257,7 +265,7 @@ class OnePassAdam:
             value = float(step)
             s = scalars.get(value)
             if s is None:
-                s = scalars[value] = _scalars(group, value, decoupled)
+                s = scalars[value] = _scalars(group, value, decoupled, factor)
             self._run(lib, b["params"][i], b["grads"][i], b["exp_avg"][i], b["exp_avg_sq"][i], outs[i], s,
                       decoupled, maximize)
 
@@ -309,15 +317,17 @@ def _check_views(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 
 def check(lib: ctypes.CDLL) -> Optional[str]:
     """Compare the loop with PyTorch's fused kernels over a few steps on sample data (AdamW and
-    Adam, maximising or not, with no copy, an fp32 and a bf16 copy, a length no vector width
-    divides); None when they agree within :data:`TOLERANCE` and every copy is PyTorch's cast
+    Adam, maximising or not, with no copy, an fp32 and a bf16 copy, a gradient factor or
+    none, a length no vector width divides); None when they agree within :data:`TOLERANCE` and every copy is PyTorch's cast
     of the weights, else what differed."""
     n = 4099
     gen = torch.Generator().manual_seed(0)
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     runner = OnePassAdam(1)
-    cases = [("adamw", torch.bfloat16, False), ("adamw", None, True), ("adam", torch.float32, False)]
-    for algorithm, out_dtype, maximize in cases:
+    # (algorithm, copy, maximize, the gradient's factor: the reference scales it first, as clipping did)
+    cases = [("adamw", torch.bfloat16, False, 0.3), ("adamw", None, True, 1.0), ("adam", torch.float32, False, 0.7)]
+    for algorithm, out_dtype, maximize, factor in cases:
+        factor = torch.tensor(factor, dtype=torch.float32)
         ours = [torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
         theirs = [t.clone() for t in ours]
         out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
@@ -325,11 +335,12 @@ def check(lib: ctypes.CDLL) -> Optional[str]:
         kernel = torch._fused_adamw_ if algorithm == "adamw" else torch._fused_adam_
         for _ in range(3):
             step_ours += 1
-            runner._run(lib, *ours, out, _scalars(group, float(step_ours), algorithm == "adamw"), algorithm == "adamw",
-                        maximize)
+            runner._run(lib, *ours, out, _scalars(group, float(step_ours), algorithm == "adamw", float(factor)),
+                        algorithm == "adamw", maximize)
             step_theirs += 1
-            kernel([theirs[0]], [theirs[1]], [theirs[2]], [theirs[3]], [], [step_theirs], lr=group["lr"], beta1=0.9,
-                   beta2=0.999, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False, maximize=maximize)
+            kernel([theirs[0]], [theirs[1] * factor], [theirs[2]], [theirs[3]], [], [step_theirs], lr=group["lr"],
+                   beta1=0.9, beta2=0.999, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
+                   maximize=maximize)
         for name, a, b in zip(("weights", "gradient", "exp_avg", "exp_avg_sq"), ours, theirs):
             worst = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
             if not worst <= TOLERANCE:

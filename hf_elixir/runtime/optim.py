@@ -15,7 +15,7 @@ from collections import defaultdict
 from typing import Any, Callable, Optional, Sequence
 
 import torch
-from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim import Optimizer
 
 from hf_elixir.runtime.batches import UpdateBatches, uncovered
 from hf_elixir.runtime.chunk import Chunk, Slot
@@ -27,24 +27,7 @@ from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
 from hf_elixir.runtime.recovery import MicroBatch, model_loss
 from hf_elixir.runtime.reduce import REPLAN
 from hf_elixir.runtime.threads import using_threads
-from hf_elixir.runtime.update import apply_update
-
-SUPPORTED = (AdamW, Adam, SGD)
-
-
-def _algorithm(optimizer: Optimizer) -> str:
-    if isinstance(optimizer, AdamW):
-        return "adamw"
-    if isinstance(optimizer, Adam):
-        return "adamw" if optimizer.defaults.get("decoupled_weight_decay") else "adam"
-    if isinstance(optimizer, SGD):
-        return "sgd"
-    names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
-    raise TypeError(
-        f"ElixirOptimizer supports {names}; got {type(optimizer).__module__}.{type(optimizer).__name__}. "
-        "Create one of the supported optimizers over model.parameters()"
-    )
-
+from hf_elixir.runtime.update import algorithm_of, apply_update
 
 def _frozen_group(group: dict) -> dict:
     """A param group's hyperparameters as they are now (tensors copied: a scheduler may set
@@ -66,7 +49,7 @@ class ElixirOptimizer(Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, ElixirOptimizer):
             raise ValueError("this optimizer is already an ElixirOptimizer; wrap the original once")
-        self.algorithm = _algorithm(optimizer)
+        self.algorithm = algorithm_of(optimizer)
         # torch wraps every Optimizer's step() in a profiler range, whose first use looks its
         # operator up (about 1 ms): done here, not in the first step, outside its phases
         with torch.autograd.profiler.record_function("hf_elixir.ElixirOptimizer"):
@@ -229,7 +212,9 @@ class ElixirOptimizer(Optimizer):
 
     def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._unscale()
-        return grad_shards.clip(self.module.chunks, self.module.disk, self.module.comm, max_norm, norm_type)
+        # a host chunk whose update runs the one-pass loop takes the factor (Chunk.grad_factor)
+        defer = frozenset(i for i in self.host_chunks if self._copy_target(self.module.chunks[i]) is not None)
+        return grad_shards.clip(self.module.chunks, self.module.disk, self.module.comm, max_norm, norm_type, defer)
 
     # ------------------------------------------------------------------ state dicts
     def _param_index(self) -> list[tuple[int, Optional[Slot]]]:
@@ -402,7 +387,7 @@ class ElixirOptimizer(Optimizer):
         if self.module.copy_stream is not None:  # uploads may start once this much has run
             readers_done = torch.cuda.current_stream(self.module.device).record_event()
         for chunk in self.module.chunks:  # a zero_grad whose clearing waits for a download
-            chunk.settle_grad()
+            chunk.settle_grad(keep_factor=chunk.index in self.host_chunks)  # its update takes the factor
         batches = self.batching.get(active)
         # device shards first (asynchronous on a GPU, they run while the CPU works), then
         # the host's, staged chunks in index order (the next forward needs the first first)
@@ -539,9 +524,14 @@ class ElixirOptimizer(Optimizer):
 
     def _host_update(self, chunk: Chunk, group: dict, device: torch.device, b: dict[str, list]) -> list[tuple]:
         """One batch of a host-state chunk; returns the ranges of the shard whose
-        compute-dtype copy the update wrote too (none where the one-pass loop is not used)."""
+        compute-dtype copy the update wrote too (none where the one-pass loop is not used).
+        The loop takes the pending clipping factor as it reads, and leaves it pending for
+        other readers (``Chunk.grad_factor``); PyTorch's kernel needs it multiplied in first."""
         outs = self._copy_views(chunk, b)
-        self._update(group, device, b, outs=outs)
+        if outs is None:
+            chunk.settle_grad()
+        factor = chunk.grad_factor
+        self._update(group, device, b, outs=outs, factor=1.0 if factor is None else float(factor))
         return [] if outs is None else list(b["ranges"])
 
     def _copy_views(self, chunk: Chunk, b: dict[str, list]) -> Optional[list[torch.Tensor]]:
@@ -549,16 +539,22 @@ class ElixirOptimizer(Optimizer):
         the staging buffer, or of the host shard), or None where it is not used: no
         one-pass loop, no copy to write (the master is the shard), a shard on the device, or
         a compute dtype the loop does not write (fp16)."""
-        if self.one_pass is None or chunk.master_aliased:
+        target = self._copy_target(chunk)
+        if target is None:
             return None
         if chunk.uploads_from_staging:
             chunk.fence_host()  # the staging buffer's last upload has finished reading it
-            target = chunk.staging
-        else:
-            target = chunk.shard
+        return [target[lo:hi] for lo, hi in b["ranges"]]
+
+    def _copy_target(self, chunk: Chunk) -> Optional[torch.Tensor]:
+        """The tensor the one-pass update writes ``chunk``'s compute-dtype copy into, or None
+        where its update does not run the loop (``_copy_views``)."""
+        if self.one_pass is None or chunk.master_aliased:
+            return None
+        target = chunk.staging if chunk.uploads_from_staging else chunk.shard
         if target.device.type != "cpu" or target.dtype not in COPY_DTYPES:
             return None
-        return [target[lo:hi] for lo, hi in b["ranges"]]
+        return target
 
     @staticmethod
     def _publish(chunk: Chunk, readers_done: Optional[torch.cuda.Event], counted: bool = False,
@@ -582,10 +578,10 @@ class ElixirOptimizer(Optimizer):
             chunk.shard[lo:hi].copy_(master[lo:hi], non_blocking=chunk.shard.device.type != "cpu")
 
     def _update(self, group: dict, device: torch.device, b: dict[str, list],
-                outs: Optional[list[torch.Tensor]] = None) -> None:
+                outs: Optional[list[torch.Tensor]] = None, factor: float = 1.0) -> None:
         """One batch's update; ``outs``: write each run's compute-dtype copy there in the
-        same pass (``_copy_views``)."""
+        same pass (``_copy_views``), the gradients taken times ``factor``."""
         if outs is not None:
-            self.one_pass.update(self.algorithm, group, b, outs)
+            self.one_pass.update(self.algorithm, group, b, outs, factor)
             return
         apply_update(self.algorithm, group, device, b, self._momentum_started)

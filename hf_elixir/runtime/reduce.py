@@ -177,8 +177,12 @@ class GradReducer:
 
     # ------------------------------------------------------------------ during backward
     def _settled(self, chunk: Chunk) -> None:
-        """Wait for the chunk's host update if it still runs (it reads the gradient shard)."""
+        """Wait for the chunk's host update if it still runs (it reads the gradient shard);
+        a gradient added to one that was clipped (no ``zero_grad`` since the step) is added to
+        the clipped values, so a pending clipping factor is multiplied in first."""
         self.host_updates.wait(chunk.index)
+        if chunk.grad_factor is not None:
+            chunk.settle_grad()
 
     def on_grad(self, chunk: Chunk, slot: Slot, grad: torch.Tensor) -> None:
         self._settled(chunk)

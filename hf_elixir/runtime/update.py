@@ -7,9 +7,27 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.optim import SGD, Adam, AdamW, Optimizer
 from torch.optim.adam import adam as functional_adam
 from torch.optim.adamw import adamw as functional_adamw
 from torch.optim.sgd import sgd as functional_sgd
+
+SUPPORTED = (AdamW, Adam, SGD)
+
+
+def algorithm_of(optimizer: Optimizer) -> str:
+    """The update ``optimizer`` asks for: "adamw", "adam" or "sgd"; a clear error for any other."""
+    if isinstance(optimizer, AdamW):
+        return "adamw"
+    if isinstance(optimizer, Adam):
+        return "adamw" if optimizer.defaults.get("decoupled_weight_decay") else "adam"
+    if isinstance(optimizer, SGD):
+        return "sgd"
+    names = ", ".join(f"torch.optim.{c.__name__}" for c in SUPPORTED)
+    raise TypeError(
+        f"ElixirOptimizer supports {names}; got {type(optimizer).__module__}.{type(optimizer).__name__}. "
+        "Create one of the supported optimizers over model.parameters()"
+    )
 
 
 def _fused_ok(device: torch.device) -> bool:
