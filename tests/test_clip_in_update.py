@@ -21,25 +21,19 @@ import torch
 
 import hf_elixir as hfe
 from harness import run_distributed
+from tiny_models import offloaded_bf16_gpt2
 
 MAX_NORM = 0.05  # far below these gradients' norm: every step clips
 
 
 def _train(rank: int, world_size: int, fold: bool) -> dict:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from hf_elixir.runtime import grad_shards, optim
 
     if not fold:  # the reference: clip_grad_norm_ multiplies every shard, nothing deferred
         clip = grad_shards.clip
         optim.grad_shards.clip = lambda *args: clip(*args[:5])
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                       bos_token_id=0, eos_token_id=0))
-    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 14, offload_fraction=1.0,
-                                 compute_dtype="bfloat16")
-    emodel = hfe.ElixirModule(model, plan)
+    model, emodel = offloaded_bf16_gpt2(world_size)
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     assert opt.one_pass is not None and opt.host_chunks
     g = torch.Generator().manual_seed(rank)

@@ -15,6 +15,7 @@ import hf_elixir as hfe
 from harness import run_distributed
 from hf_elixir.runtime import host_kernel
 from hf_elixir.runtime.host_kernel import KERNEL_ENV, SPLIT_AT, OnePassAdam
+from tiny_models import offloaded_bf16_gpt2
 
 GROUP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
 
@@ -168,16 +169,9 @@ def _train(rank: int, world_size: int, kernel: str) -> dict:
     through the one-pass loop."""
     import os
 
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     os.environ[KERNEL_ENV] = kernel
     torch.set_num_threads(1)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
-                                       bos_token_id=0, eos_token_id=0))
-    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 14, offload_fraction=1.0,
-                                 compute_dtype="bfloat16")
-    emodel = hfe.ElixirModule(model, plan)
+    model, emodel = offloaded_bf16_gpt2(world_size)
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},

@@ -57,6 +57,22 @@ def make_model(arch: str, seed: int = 0) -> nn.Module:
     return model.float()
 
 
+def offloaded_bf16_gpt2(world_size: int):
+    """A 2-layer GPT-2 (vocabulary 256) seeded 0, in chunks of 16K elements with every
+    chunk's optimizer state on the host and bf16 compute: each update runs the one-pass host
+    loop (``runtime/host_kernel.py``). Returns the model and its ``ElixirModule``."""
+    import transformers as tf
+
+    import hf_elixir as hfe
+
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
+                                             bos_token_id=0, eos_token_id=0))
+    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 14, offload_fraction=1.0,
+                                 compute_dtype="bfloat16")
+    return model, hfe.ElixirModule(model, plan)
+
+
 def make_batch(batch: int = 12, seq: int = 16, seed: int = 1) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, VOCAB, (batch, seq), generator=g)

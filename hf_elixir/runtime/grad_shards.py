@@ -4,10 +4,10 @@ Each pass reads every trainable chunk's gradient shard wherever it lives: a tens
 device or in host memory, or, for a chunk on the disk tier, the gradient plane of its file
 (read one chunk at a time, so the disk tier's gradients are never all in memory; a scaling
 is recorded and applied where the plane is next read: ``disk_grads.py``; a host chunk's
-clipping is left to its update, which multiplies as it reads: ``Chunk.grad_factor``). Shards are
-grouped by the device that would hold them in memory, in chunk order, so a disk chunk
-takes the place its host-tier twin would: the norms are summed in the same order and the
-result is the same, bit for bit.
+clipping is left to its update, which multiplies as it reads: ``Chunk.grad_factor``).
+Shards are grouped by the device that would hold them in memory, in chunk order, so a disk
+chunk takes the place its host-tier twin would: the norms are summed in the same order and
+the result is the same, bit for bit.
 """
 
 from __future__ import annotations
@@ -48,12 +48,13 @@ def scale(chunks: Sequence[Chunk], disk: Optional[DiskTier], factor: Union[float
           defer: frozenset[int] = frozenset()) -> None:
     """Multiply every gradient shard by ``factor`` (on the disk tier: recorded, applied when
     each plane is next read; for the chunks in ``defer``, whose update multiplies as it reads:
-    left pending, ``Chunk.grad_factor``). The shards were settled (``by_device``), so no
-    factor is pending when another is recorded."""
+    left pending, ``Chunk.grad_factor``: ``clip``'s fp32 factor, which the loop multiplies by
+    as an fp32 ``mul_`` would). The shards were settled (``by_device``), so no factor is
+    pending when another is recorded."""
     for chunk in chunks:
         if chunk.disk:
             continue
-        if chunk.index in defer and isinstance(factor, torch.Tensor) and factor.dtype == torch.float32:
+        if chunk.index in defer:
             assert chunk.grad_factor is None and not chunk.grad_zeroed
             chunk.grad_factor = factor
         else:

@@ -318,8 +318,8 @@ def _check_views(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
 def check(lib: ctypes.CDLL) -> Optional[str]:
     """Compare the loop with PyTorch's fused kernels over a few steps on sample data (AdamW and
     Adam, maximising or not, with no copy, an fp32 and a bf16 copy, a gradient factor or
-    none, a length no vector width divides); None when they agree within :data:`TOLERANCE` and every copy is PyTorch's cast
-    of the weights, else what differed."""
+    none, a length no vector width divides); None when they agree within :data:`TOLERANCE`
+    and every copy is PyTorch's cast of the weights, else what differed."""
     n = 4099
     gen = torch.Generator().manual_seed(0)
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}

@@ -29,6 +29,7 @@ from hf_elixir.runtime.reduce import REPLAN
 from hf_elixir.runtime.threads import using_threads
 from hf_elixir.runtime.update import algorithm_of, apply_update
 
+
 def _frozen_group(group: dict) -> dict:
     """A param group's hyperparameters as they are now (tensors copied: a scheduler may set
     a tensor learning rate in place)."""
