@@ -339,9 +339,11 @@ def measure(model_or_config: Any, batch_shape: tuple[int, int], figs: ComputeFig
         m, p = times[0], prices[0]
     else:
         (m1, mk), (p1, pk), k = times, prices, keeps[1]
+        # the price follows the prices alone, so timing noise never changes what is priced
+        p = p1 + (blocks - 1) / (k - 1) * (pk - p1) if pk > p1 else pk * blocks / k
         if mk > m1 and pk > p1:
-            m, p = m1 + (blocks - 1) / (k - 1) * (mk - m1), p1 + (blocks - 1) / (k - 1) * (pk - p1)
+            m = m1 + (blocks - 1) / (k - 1) * (mk - m1)
         else:  # timing noise larger than the blocks: the longer copy's own ratio
-            m, p = mk * blocks / k, pk * blocks / k
+            m = p * mk / pk
     return ModelEfficiency(efficiency=m / p, measured_s=m, priced_s=p, blocks=blocks, blocks_timed=keeps,
                            ranks=ranks, seconds=time.perf_counter() - t0)
