@@ -20,10 +20,9 @@ one chunk, about 60M of them):
 - ``hf_elixir``: the runtime's own update of offloaded state (every chunk's optimizer state
   on the host), timed by its step breakdown (``time_report()``: ``cpu_optimizer`` plus
   ``host_copies``, the update and the compute-dtype copy) inside real training steps of an
-  ``ElixirModule`` on the CPU. Under bf16 that is the one-pass loop
-  (``runtime/host_kernel.py``), which writes the copy in the same pass; in fp32 the master is
-  the shard, there is no copy, and it is PyTorch's fused kernel (``hf_elixir_kernel`` in each
-  row says which ran);
+  ``ElixirModule`` on the CPU: the one-pass loop (``runtime/host_kernel.py``), which in bf16
+  writes the copy in the same pass; in fp32 the master is the shard and there is no copy
+  (``hf_elixir_kernel`` in each row says what ran);
 - ``torch_fused_flat``: ``torch.optim.AdamW``'s fused kernel called once over the chunk's
   flat buffers (and, in bf16, one cast into the compute-dtype copy);
 - ``torch_fused_per_param``: the same kernel over each parameter (plain PyTorch's step);
@@ -160,12 +159,11 @@ class ElixirUpdate:
         self.opt = hfe.ElixirOptimizer(self.emodel, torch.optim.AdamW(
             model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
             weight_decay=HYPER["weight_decay"]), overlap_host=False)
-        #: how the host update ran: the one-pass loop (update and copy), or PyTorch's fused
-        #: kernel, with a cast where the compute dtype needs a copy (the reason with it)
-        if all(c.master_aliased for c in self.emodel.chunks):
-            self.kernel = "torch fused (the master is the shard: no copy to write)"
-        elif self.opt.one_pass is not None:
-            self.kernel = "one pass (update and copy)"
+        #: how the host update ran: the one-pass loop (update and copy; no copy where the
+        #: master is the shard), or PyTorch's fused kernel and a cast (the reason with it)
+        if self.opt.one_pass is not None:
+            aliased = all(c.master_aliased for c in self.emodel.chunks)
+            self.kernel = "one pass (the master is the shard: no copy)" if aliased else "one pass (update and copy)"
         else:
             self.kernel = f"torch fused + cast ({hfe.runtime.host_kernel.OnePassAdam(threads).why_not})"
         self.ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))

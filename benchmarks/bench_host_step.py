@@ -52,7 +52,7 @@ def torch_mixed(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 ADDS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"torch_mixed": torch_mixed, "hf_elixir": add_widened}
-STEPS = ("plain", "clip_pass", "hf_elixir")
+STEPS = ("plain", "clip_pass", "torch_kernel", "hf_elixir")
 
 
 def time_add(add: Callable[[torch.Tensor, torch.Tensor], None], target: torch.Tensor, source: torch.Tensor) -> float:
@@ -61,7 +61,7 @@ def time_add(add: Callable[[torch.Tensor, torch.Tensor], None], target: torch.Te
     return time.perf_counter() - start
 
 
-def measure(elems: int, threads: int, repeats: int) -> dict:
+def measure(elems: int, threads: int, repeats: int, dtype: torch.dtype) -> dict:
     target = torch.zeros(elems)
     source = torch.randn(elems).to(torch.bfloat16)
     check = {name: torch.zeros(elems) for name in ADDS}
@@ -78,21 +78,26 @@ def measure(elems: int, threads: int, repeats: int) -> dict:
                 adds[name].append(time_add(add, target, source))
         for _ in range(max(1, repeats // 3)):
             for name in STEPS:
-                steps[name].append(host_update_rate(elems, threads, plain=name == "plain",
-                                                    clip_pass=name == "clip_pass"))
+                steps[name].append(host_update_rate(elems, threads, dtype, plain=name == "plain",
+                                                    clip_pass=name == "clip_pass",
+                                                    torch_kernel=name == "torch_kernel"))
     add_ms = {name: statistics.median(v) * 1e3 for name, v in adds.items()}
     step_rate = {name: statistics.median(v) for name, v in steps.items()}
-    return {"threads": threads, "elements": elems, "bit_equal": equal, "add_ms": add_ms,
+    return {"compute_dtype": str(dtype).removeprefix("torch."), "threads": threads, "elements": elems,
+            "bit_equal": equal, "add_ms": add_ms,
             "host_step_elements_per_s": step_rate,
             "add_speedup": add_ms["torch_mixed"] / add_ms["hf_elixir"],
             "host_step_speedup": step_rate["hf_elixir"] / step_rate["plain"],
-            "clip_in_update_speedup": step_rate["hf_elixir"] / step_rate["clip_pass"]}
+            "clip_in_update_speedup": step_rate["hf_elixir"] / step_rate["clip_pass"],
+            "vs_torch_kernel": step_rate["hf_elixir"] / step_rate["torch_kernel"]}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, usable_cores()}))
     p.add_argument("--elements", type=int, default=8 << 20)
+    p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"],
+                   help="compute dtypes (in fp32 the master is the shard: no copy, an fp32 download)")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats (a check, not a figure)")
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -100,15 +105,18 @@ def main() -> None:
     if args.quick:
         args.elements, args.repeats = 1 << 20, 3
     rows = []
-    for threads in args.threads:
-        row = measure(args.elements, threads, args.repeats)
+    for dtype, threads in ((d, t) for d in args.dtypes for t in args.threads):
+        row = measure(args.elements, threads, args.repeats, getattr(torch, dtype))
         rows.append(row)
-        print(f"{threads:2d} thread(s), {args.elements / 2**20:.0f}M elements: add {row['add_ms']['torch_mixed']:.1f} ms "
+        print(f"{dtype}, {threads:2d} thread(s), {args.elements / 2**20:.0f}M elements: add "
+              f"{row['add_ms']['torch_mixed']:.1f} ms "
               f"(PyTorch) vs {row['add_ms']['hf_elixir']:.1f} ms (hf_elixir), {row['add_speedup']:.2f}x; host step "
               f"{row['host_step_elements_per_s']['plain'] / 1e6:.0f} (plain) vs "
               f"{row['host_step_elements_per_s']['clip_pass'] / 1e6:.0f} (a clipping pass) vs "
+              f"{row['host_step_elements_per_s']['torch_kernel'] / 1e6:.0f} (PyTorch's kernel) vs "
               f"{row['host_step_elements_per_s']['hf_elixir'] / 1e6:.0f} M elements/s, {row['host_step_speedup']:.2f}x "
-              f"plain, {row['clip_in_update_speedup']:.2f}x the clipping pass; "
+              f"plain, {row['clip_in_update_speedup']:.2f}x the clipping pass, {row['vs_torch_kernel']:.2f}x "
+              f"PyTorch's kernel; "
               f"bit equal: {row['bit_equal']}", flush=True)
     write_results(args.out, {"machine": machine(), "rows": rows})
 

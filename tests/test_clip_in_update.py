@@ -5,7 +5,9 @@ one-pass loop, which multiplies each gradient by it as it reads it: the pass tha
 those shards on the main thread, before any update could start, is gone. Checked against
 the same run with the factor multiplied in by ``clip_grad_norm_`` as before (the runtime's
 own clipping with nothing deferred), on real ranks (one, and two joined by gloo), the host
-updates behind the next forward as by default:
+updates behind the next forward as by default, in bf16 (the loop writes the copy too) and
+in fp32 (the master is the shard: the loop writes no copy, and takes the factor all the
+same):
 
 - the weights, every step's total norm and the gradients are equal bit for bit;
 - the factor was pending after every clip (the fold ran), and never in the reference;
@@ -21,21 +23,22 @@ import torch
 
 import hf_elixir as hfe
 from harness import run_distributed
-from tiny_models import offloaded_bf16_gpt2
+from tiny_models import offloaded_gpt2
 
 MAX_NORM = 0.05  # far below these gradients' norm: every step clips
 
 
-def _train(rank: int, world_size: int, fold: bool) -> dict:
+def _train(rank: int, world_size: int, fold: bool, dtype: str) -> dict:
     from hf_elixir.runtime import grad_shards, optim
 
     if not fold:  # the reference: clip_grad_norm_ multiplies every shard, nothing deferred
         clip = grad_shards.clip
         optim.grad_shards.clip = lambda *args: clip(*args[:5])
     torch.set_num_threads(1)
-    model, emodel = offloaded_bf16_gpt2(world_size)
+    model, emodel = offloaded_gpt2(world_size, dtype)
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1))
     assert opt.one_pass is not None and opt.host_chunks
+    assert all(c.master_aliased == (dtype == "float32") for c in emodel.chunks)
     g = torch.Generator().manual_seed(rank)
     out: dict = {"totals": [], "pending": [], "grads": []}
     for step in range(4):
@@ -56,10 +59,10 @@ def _train(rank: int, world_size: int, fold: bool) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_clipping_in_the_host_update_equals_clipping_first_bit_for_bit(world_size: int) -> None:
-    folded = run_distributed(_train, world_size, True)
-    reference = run_distributed(_train, world_size, False)
+@pytest.mark.parametrize("world_size,dtype", [(1, "bfloat16"), (2, "bfloat16"), (1, "float32"), (2, "float32")])
+def test_clipping_in_the_host_update_equals_clipping_first_bit_for_bit(world_size: int, dtype: str) -> None:
+    folded = run_distributed(_train, world_size, True, dtype)
+    reference = run_distributed(_train, world_size, False, dtype)
     for ours, theirs in zip(folded, reference):
         assert all(all(p) and p for p in ours["pending"]), ours["pending"]
         assert not any(any(p) for p in theirs["pending"])

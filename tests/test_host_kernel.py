@@ -5,6 +5,7 @@ PyTorch's kernel and a separate cast."""
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import hf_elixir as hfe
 from harness import run_distributed
 from hf_elixir.runtime import host_kernel
 from hf_elixir.runtime.host_kernel import KERNEL_ENV, SPLIT_AT, OnePassAdam
-from tiny_models import offloaded_bf16_gpt2
+from tiny_models import offloaded_gpt2
 
 GROUP = {"lr": 3e-3, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.05}
 
@@ -141,6 +142,74 @@ def test_the_loop_lets_other_threads_run(fresh_cache: Path) -> None:
     assert ran_during_the_call
 
 
+def _long_run(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    n = 4 * SPLIT_AT + 9
+    t = {name: torch.randn(n, generator=gen) for name in ("params", "grads")}
+    return t | {"exp_avg": torch.randn(n, generator=gen) * 1e-3, "exp_avg_sq": torch.rand(n, generator=gen) * 1e-4}
+
+
+def _updated(runner: OnePassAdam, seed: int, t: dict[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+    """A long run (``_long_run(seed)`` unless given) updated twice by ``runner`` (split
+    between its threads): the new weights, moments and bf16 copy."""
+    t = _long_run(seed) if t is None else t
+    out = torch.empty(t["params"].numel(), dtype=torch.bfloat16)
+    batch = {name: [v] for name, v in t.items()} | {"steps": [torch.zeros(())]}
+    for _ in range(2):
+        runner.update("adamw", GROUP, batch, [out], 0.5)
+    return [t["params"], t["exp_avg"], t["exp_avg_sq"], out]
+
+
+def _forked_child(queue) -> None:
+    torch.set_num_threads(1)  # PyTorch's own parallel kernels would wait forever here too
+    t = _long_run(5)
+    torch.set_num_threads(2)  # the loop may split, and does, on Python threads
+    updated = _updated(OnePassAdam(2), 5, t)
+    torch.set_num_threads(1)
+    queue.put(_bits(updated))
+
+
+def _bits(tensors: list[torch.Tensor]) -> list[bytes]:
+    return [t.view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes() for t in tensors]
+
+
+def test_the_parts_run_on_pytorchs_openmp_threads(fresh_cache: Path) -> None:
+    """Where PyTorch's CPU kernels run on OpenMP, the library links the very runtime this
+    process loaded (no second one appears) and splits a long run on its threads; the split
+    changes no bit (each element's arithmetic is its own). A forked child, which inherits the
+    runtime but not its threads, splits on Python threads instead, and finishes with the
+    same bits: GNU OpenMP there would wait for the parent's threads forever."""
+    import multiprocessing
+
+    assert "OpenMP" in torch.__config__.parallel_info()  # the CPU wheel this suite installs
+    torch.set_num_threads(2)
+    torch.ones(1 << 20).mul_(2)  # a parallel kernel: PyTorch's OpenMP threads exist now
+    runtime = host_kernel.openmp_runtime()
+    assert runtime is not None
+    two = OnePassAdam(2)
+    assert two.usable, two.why_not
+    assert two._library()[0].openmp_pid == os.getpid()
+    assert host_kernel.openmp_runtime() == runtime
+    with open("/proc/self/maps") as f:  # the library brought no runtime of its own
+        mapped = {line.split()[-1] for line in f}
+    runtimes = {path for path in mapped if host_kernel._OPENMP_NAME.match(os.path.basename(path))}
+    assert runtimes == {str(runtime)}
+    split, whole = _updated(two, 5), _updated(OnePassAdam(1), 5)
+    assert all(torch.equal(a, b) for a, b in zip(split, whole))
+
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_forked_child, args=(queue,))
+    child.start()
+    try:
+        forked = queue.get(timeout=60)
+        child.join(timeout=60)
+    finally:
+        child.kill()  # a hung child must not hang the suite's exit
+    assert child.exitcode == 0
+    assert forked == _bits(whole)
+
+
 def test_without_a_compiler_the_optimizer_keeps_pytorchs_kernel(fresh_cache: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CC", str(fresh_cache / "no-such-compiler"))
@@ -162,8 +231,8 @@ def test_the_environment_chooses_pytorchs_kernel(fresh_cache: Path, monkeypatch:
         OnePassAdam(1)
 
 
-def _train(rank: int, world_size: int, kernel: str) -> dict:
-    """Three steps of a bf16 GPT-2 whose optimizer state is all on the host, updated inside
+def _train(rank: int, world_size: int, kernel: str, dtype: str = "bfloat16") -> dict:
+    """Three steps of a GPT-2 whose optimizer state is all on the host, updated inside
     step() (the host thread runs the same loop): the weights after the first step, the
     losses, whether every compute-dtype shard is its master's cast, and how many updates went
     through the one-pass loop."""
@@ -171,7 +240,7 @@ def _train(rank: int, world_size: int, kernel: str) -> dict:
 
     os.environ[KERNEL_ENV] = kernel
     torch.set_num_threads(1)
-    model, emodel = offloaded_bf16_gpt2(world_size)
+    model, emodel = offloaded_gpt2(world_size, dtype)
     decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
     rest = [p for n, p in model.named_parameters() if not n.endswith("weight")]
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
@@ -202,17 +271,20 @@ def _train(rank: int, world_size: int, kernel: str) -> dict:
             "copies": sum(not c.master_aliased for c in emodel.chunks), "said": emodel.time_report()["host_kernel"]}
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
-def test_offloaded_training_writes_the_copy_in_the_update(fresh_cache: Path, world_size: int) -> None:
+@pytest.mark.parametrize("world_size,dtype", [(1, "bfloat16"), (2, "bfloat16"), (1, "float32")])
+def test_offloaded_training_writes_the_copy_in_the_update(fresh_cache: Path, world_size: int, dtype: str) -> None:
     """The same run with the one-pass loop and with PyTorch's kernel and a cast: after the
     first step (same gradients on both) every master agrees within the loop's tolerance;
     every compute-dtype shard is always its master's cast; the losses of later steps, whose
-    forward reads bf16 copies of masters that may differ in the last fp32 bit, stay within
-    bf16's resolution."""
-    one_pass = run_distributed(_train, world_size, "c")
-    torch_path = run_distributed(_train, world_size, "torch")
+    forward reads copies of masters that may differ in the last fp32 bit, stay within the
+    compute dtype's resolution. In fp32 the master is the shard: the loop runs, with no copy
+    to write."""
+    one_pass = run_distributed(_train, world_size, "c", dtype)
+    torch_path = run_distributed(_train, world_size, "torch", dtype)
+    resolution = 2 ** -7 if dtype == "bfloat16" else 1e-5
     for ours, theirs in zip(one_pass, torch_path):
-        assert ours["copies"] > 0 and ours["one_pass_calls"] > 0 and theirs["one_pass_calls"] == 0
+        assert (ours["copies"] > 0) == (dtype == "bfloat16")
+        assert ours["one_pass_calls"] > 0 and theirs["one_pass_calls"] == 0
         assert ours["said"].startswith("one-pass loop") and f"{KERNEL_ENV}=torch" in theirs["said"]
         assert ours["casts"] and theirs["casts"]
         for index, master in theirs["first"].items():
@@ -220,7 +292,7 @@ def test_offloaded_training_writes_the_copy_in_the_update(fresh_cache: Path, wor
             assert worst <= host_kernel.TOLERANCE, (index, worst)
         assert ours["losses"][0] == theirs["losses"][0]
         for a, b in zip(ours["losses"], theirs["losses"]):
-            assert abs(a - b) <= 2 ** -7 * abs(b), (ours["losses"], theirs["losses"])
+            assert abs(a - b) <= resolution * abs(b), (ours["losses"], theirs["losses"])
 
 
 @pytest.mark.parametrize("kernel", ["c", "torch"])

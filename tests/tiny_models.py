@@ -57,10 +57,11 @@ def make_model(arch: str, seed: int = 0) -> nn.Module:
     return model.float()
 
 
-def offloaded_bf16_gpt2(world_size: int):
+def offloaded_gpt2(world_size: int, compute_dtype: str = "bfloat16"):
     """A 2-layer GPT-2 (vocabulary 256) seeded 0, in chunks of 16K elements with every
-    chunk's optimizer state on the host and bf16 compute: each update runs the one-pass host
-    loop (``runtime/host_kernel.py``). Returns the model and its ``ElixirModule``."""
+    chunk's optimizer state on the host: each update runs the one-pass host loop
+    (``runtime/host_kernel.py``), which writes the bf16 copy too (in fp32 the master is the
+    shard: no copy). Returns the model and its ``ElixirModule``."""
     import transformers as tf
 
     import hf_elixir as hfe
@@ -69,7 +70,7 @@ def offloaded_bf16_gpt2(world_size: int):
     model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=256, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                              bos_token_id=0, eos_token_id=0))
     plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=1 << 14, offload_fraction=1.0,
-                                 compute_dtype="bfloat16")
+                                 compute_dtype=compute_dtype)
     return model, hfe.ElixirModule(model, plan)
 
 

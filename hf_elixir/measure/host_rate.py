@@ -17,7 +17,7 @@ from hf_elixir.runtime.update import apply_update
 
 
 def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16,
-                     plain: bool = False, clip_pass: bool = False) -> float:
+                     plain: bool = False, clip_pass: bool = False, torch_kernel: bool = False) -> float:
     """Elements/s of everything the host does, per element of an offloaded chunk, in a step
     on a GPU, with the runtime's own kernels and the threads its host update uses
     (``runtime/threads.py``): the downloaded compute-dtype gradient copied into the fp32
@@ -29,14 +29,21 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
     ``plain``: the same step as PyTorch's own operations take it, the gradient added into a
     zeroed shard and the shard zeroed again (``benchmarks/bench_host_step.py`` compares).
     ``clip_pass``: the clipping's scaling as a pass of its own before the update, as the
-    runtime took it before the loop took the factor (the benchmark's third arm)."""
+    runtime took it before the loop took the factor (the benchmark's third arm).
+
+    ``torch_kernel``: PyTorch's fused kernel, after a scaling pass, as where the loop is not
+    usable (in fp32, the runtime's path until the loop took fp32 chunks too).
+
+    In fp32 the master is the host shard (``Chunk.master_aliased``): the fp32 gradient comes
+    down and the update writes no copy."""
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     master, grad, m, v = (torch.zeros(elems) for _ in range(4))
     master.normal_()
     staging = torch.randn(elems).to(compute_dtype)  # what a download leaves (pinned on a GPU machine)
+    copy = None if compute_dtype == torch.float32 else staging  # where the update's copy goes
     batch = {"params": [master], "grads": [grad], "exp_avg": [m], "exp_avg_sq": [v], "steps": [torch.zeros(())]}
     one_pass = OnePassAdam(threads)
-    loop = one_pass if one_pass.usable else None
+    loop = one_pass if one_pass.usable and not torch_kernel else None
 
     def host_step() -> None:
         if plain:
@@ -48,10 +55,11 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
         if separate:  # PyTorch's clipping scales the gradient in a pass of its own
             grad.mul_(coef)
         if loop is not None:  # the loop multiplies by the factor as it reads (Chunk.grad_factor)
-            loop.update("adamw", group, batch, [staging], 1.0 if separate else float(coef))
+            loop.update("adamw", group, batch, [copy], 1.0 if separate else float(coef))
         else:
             apply_update("adamw", group, master.device, batch, set())
-            staging.copy_(master)
+            if copy is not None:
+                copy.copy_(master)
         if plain:
             grad.zero_()
 

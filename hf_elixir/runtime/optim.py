@@ -97,7 +97,7 @@ class ElixirOptimizer(Optimizer):
         if self.host_chunks and self.algorithm != "sgd":
             one_pass = OnePassAdam(module.host_threads)
             self.one_pass = one_pass if one_pass.usable else None
-            module.host_kernel = ("one-pass loop (update and copy)" if self.one_pass is not None
+            module.host_kernel = ("one-pass loop (update, clipping factor and copy)" if self.one_pass is not None
                                   else f"PyTorch's fused kernel and a cast ({one_pass.why_not})")
         elif self.host_chunks:
             module.host_kernel = "PyTorch's kernel (SGD)"
@@ -214,7 +214,7 @@ class ElixirOptimizer(Optimizer):
     def _clip(self, max_norm: float, norm_type: float) -> torch.Tensor:
         self._unscale()
         # a host chunk whose update runs the one-pass loop takes the factor (Chunk.grad_factor)
-        defer = frozenset(i for i in self.host_chunks if self._copy_target(self.module.chunks[i]) is not None)
+        defer = frozenset(i for i in self.host_chunks if self._runs_loop(self.module.chunks[i]))
         return grad_shards.clip(self.module.chunks, self.module.disk, self.module.comm, max_norm, norm_type, defer)
 
     # ------------------------------------------------------------------ state dicts
@@ -525,31 +525,42 @@ class ElixirOptimizer(Optimizer):
 
     def _host_update(self, chunk: Chunk, group: dict, device: torch.device, b: dict[str, list]) -> list[tuple]:
         """One batch of a host-state chunk; returns the ranges of the shard whose
-        compute-dtype copy the update wrote too (none where the one-pass loop is not used).
-        The loop takes the pending clipping factor as it reads, and leaves it pending for
-        other readers (``Chunk.grad_factor``); PyTorch's kernel needs it multiplied in first."""
+        compute-dtype copy the update wrote too (none where the one-pass loop is not used,
+        or where the master is the shard and there is no copy). The loop takes the pending
+        clipping factor as it reads, and leaves it pending for other readers
+        (``Chunk.grad_factor``); PyTorch's kernel needs it multiplied in first."""
         outs = self._copy_views(chunk, b)
         if outs is None:
             chunk.settle_grad()
         factor = chunk.grad_factor
         self._update(group, device, b, outs=outs, factor=1.0 if factor is None else float(factor))
-        return [] if outs is None else list(b["ranges"])
+        return [] if outs is None or chunk.master_aliased else list(b["ranges"])
 
-    def _copy_views(self, chunk: Chunk, b: dict[str, list]) -> Optional[list[torch.Tensor]]:
-        """Where the one-pass update writes the compute-dtype copy of ``b``'s runs (views of
-        the staging buffer, or of the host shard), or None where it is not used: no
-        one-pass loop, no copy to write (the master is the shard), a shard on the device, or
-        a compute dtype the loop does not write (fp16)."""
-        target = self._copy_target(chunk)
-        if target is None:
+    def _copy_views(self, chunk: Chunk, b: dict[str, list]) -> Optional[list[Optional[torch.Tensor]]]:
+        """Where the one-pass update writes the compute-dtype copy of each of ``b``'s runs
+        (views of the staging buffer, or of the host shard; None for each run where the
+        master is the shard: nothing to copy), or None where the loop is not used
+        (``_runs_loop``)."""
+        if not self._runs_loop(chunk):
             return None
+        if chunk.master_aliased:
+            return [None] * len(b["ranges"])
         if chunk.uploads_from_staging:
             chunk.fence_host()  # the staging buffer's last upload has finished reading it
+        target = self._copy_target(chunk)
         return [target[lo:hi] for lo, hi in b["ranges"]]
+
+    def _runs_loop(self, chunk: Chunk) -> bool:
+        """Whether ``chunk``'s host update runs the one-pass loop: it writes the copy
+        (``_copy_target``), or the master is the host shard (fp32: no copy, but the loop takes
+        the clipping's factor as it reads, which PyTorch's kernel needs a pass for)."""
+        if self.one_pass is None or chunk.master_aliased:
+            return self.one_pass is not None and chunk.shard.device.type == "cpu"
+        return self._copy_target(chunk) is not None
 
     def _copy_target(self, chunk: Chunk) -> Optional[torch.Tensor]:
         """The tensor the one-pass update writes ``chunk``'s compute-dtype copy into, or None
-        where its update does not run the loop (``_copy_views``)."""
+        where there is none to write (the master is the shard) or the loop cannot write it."""
         if self.one_pass is None or chunk.master_aliased:
             return None
         target = chunk.staging if chunk.uploads_from_staging else chunk.shard
