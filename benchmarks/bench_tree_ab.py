@@ -3,6 +3,7 @@
     python benchmarks/bench_tree_ab.py --base c12e827                 # three models, 2 x 24 pairs
     python benchmarks/bench_tree_ab.py --base c12e827 --models gpt2-30m --pairs 8
     python benchmarks/bench_tree_ab.py --base HEAD                    # an A/A control
+    python benchmarks/bench_tree_ab.py --base c12e827 --offload 1     # every chunk's optimizer on the host
 
 bench_step.py's ratios to DDP and FSDP2 move by 10-40% from one run to the next on this VM
 (its speed drifts within minutes), far more than the few per cent a regression costs, so
@@ -10,7 +11,8 @@ two separate runs of it cannot say whether a change slowed the runtime down. Thi
 asks the question where the drift cancels: both runtimes train the same model in the same
 two ranks (bench_step's setup: world size 2 on CPU over gloo, the bench_planner models,
 global batch 4 x 128, fp32, AdamW, clipping at 1.0, ``ElixirPlan.simple`` with
-bench_step's chunking), built side by side and stepped alternately, each step between
+bench_step's chunking; ``--offload F``: the optimizer state of that fraction of the chunks
+on the host, updated behind the next forward), built side by side and stepped alternately, each step between
 barriers, the order swapped every pair, as ``bench_recovery_cost.py`` pairs recovery with
 none. Each model runs in two blocks, this tree's runtime built first in one and second in
 the other (the build order alone moves step times by a few per cent), and the pairs are
@@ -72,12 +74,13 @@ def materialize_base(revision: str, into: Path, repo: Path = ROOT) -> str:
     return commit.stdout.strip()
 
 
-def setup_arm(package: str, model):
-    """A step function of ``package``'s runtime over ``model`` (bench_step's hf_elixir setup)."""
+def setup_arm(package: str, model, offload: float = 0.0):
+    """A step function of ``package``'s runtime over ``model`` (bench_step's hf_elixir setup,
+    with ``offload`` of the chunks' optimizer state on the host)."""
     hfe = importlib.import_module(package)
     largest = max(p.numel() for p in model.parameters())
     plan = hfe.ElixirPlan.simple(model, dist.get_world_size(), chunk_size=largest, rcache_blocks=None,
-                                 pack_size=PACK_SIZE)
+                                 pack_size=PACK_SIZE, offload_fraction=offload)
     em = hfe.ElixirModule(model, plan)
     return elixir_step(em, hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4)))
 
@@ -86,7 +89,7 @@ def paired_block(args, model_name: str, build_order: tuple[str, ...]) -> dict:
     """Both runtimes on one model, built in ``build_order`` and stepped alternately."""
     rank, world = dist.get_rank(), dist.get_world_size()
     package = {"this_tree": "hf_elixir", "base": BASE_PACKAGE}
-    steps = {arm: setup_arm(package[arm], build(model_name)) for arm in build_order}
+    steps = {arm: setup_arm(package[arm], build(model_name), args.offload) for arm in build_order}
     vocab = build(model_name).config.vocab_size
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     losses: dict[str, list[float]] = {arm: [] for arm in ARMS}
@@ -137,10 +140,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--base", required=True, help="the revision to compare against (a commit, tag or branch)")
     add_paired_options(p)
+    p.add_argument("--offload", type=float, default=0.0,
+                   help="the fraction of the chunks whose optimizer state is on the host (0 to 1)")
     p.add_argument("--output", type=Path, default=RESULTS / "bench_tree_ab.json")
     args = p.parse_args()
     if args.global_batch % args.world_size:
         p.error("--global-batch must be divisible by --world-size")
+    if not 0.0 <= args.offload <= 1.0:
+        p.error("--offload is a fraction of the chunks, from 0 to 1")
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "hf_elixir"], cwd=ROOT, capture_output=True,
                            text=True).stdout.strip()
     with tempfile.TemporaryDirectory(prefix="hf_elixir_base_") as scratch:
