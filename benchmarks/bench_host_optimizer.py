@@ -5,8 +5,8 @@
     python benchmarks/bench_host_optimizer.py --quick          # a smaller model, fewer repeats
 
 An offloaded chunk's update reads the fp32 master, the gradient and Adam's two moments and
-writes three of them back: 28 bytes per parameter, 30 when the compute-dtype copy (bf16)
-that goes back to the GPU is written too. Memory bandwidth bounds it: the bound printed here
+writes three of them back: 28 bytes per parameter, 30 when the compute-dtype copy (bf16 or
+fp16) that goes back to the GPU is written too. Memory bandwidth bounds it: the bound printed here
 is the machine's measured streaming bandwidth divided by those bytes. The bandwidth is taken
 from a pass with the update's own access pattern, an in-place add over buffers far larger
 than the caches (two read, one written back where it was read: 12 bytes an element). A
@@ -20,11 +20,12 @@ one chunk, about 60M of them):
 - ``hf_elixir``: the runtime's own update of offloaded state (every chunk's optimizer state
   on the host), timed by its step breakdown (``time_report()``: ``cpu_optimizer`` plus
   ``host_copies``, the update and the compute-dtype copy) inside real training steps of an
-  ``ElixirModule`` on the CPU: the one-pass loop (``runtime/host_kernel.py``), which in bf16
-  writes the copy in the same pass; in fp32 the master is the shard and there is no copy
-  (``hf_elixir_kernel`` in each row says what ran);
+  ``ElixirModule`` on the CPU. Under bf16 and fp16 that is the one-pass loop
+  (``runtime/host_kernel.py``), which writes the copy in the same pass; in fp32 the master is
+  the shard, there is no copy, and it is PyTorch's fused kernel (``hf_elixir_kernel`` in each
+  row says which ran);
 - ``torch_fused_flat``: ``torch.optim.AdamW``'s fused kernel called once over the chunk's
-  flat buffers (and, in bf16, one cast into the compute-dtype copy);
+  flat buffers (and, in bf16 and fp16, one cast into the compute-dtype copy);
 - ``torch_fused_per_param``: the same kernel over each parameter (plain PyTorch's step);
 - ``deepspeed_cpu_adam``: DeepSpeed's ``DeepSpeedCPUAdam`` over the flat buffers (and the
   same cast), where DeepSpeed and its CPU Adam op build on this machine.
@@ -159,11 +160,12 @@ class ElixirUpdate:
         self.opt = hfe.ElixirOptimizer(self.emodel, torch.optim.AdamW(
             model.parameters(), lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
             weight_decay=HYPER["weight_decay"]), overlap_host=False)
-        #: how the host update ran: the one-pass loop (update and copy; no copy where the
-        #: master is the shard), or PyTorch's fused kernel and a cast (the reason with it)
-        if self.opt.one_pass is not None:
-            aliased = all(c.master_aliased for c in self.emodel.chunks)
-            self.kernel = "one pass (the master is the shard: no copy)" if aliased else "one pass (update and copy)"
+        #: how the host update ran: the one-pass loop (update and copy), or PyTorch's fused
+        #: kernel, with a cast where the compute dtype needs a copy (the reason with it)
+        if all(c.master_aliased for c in self.emodel.chunks):
+            self.kernel = "torch fused (the master is the shard: no copy to write)"
+        elif self.opt.one_pass is not None:
+            self.kernel = "one pass (update and copy)"
         else:
             self.kernel = f"torch fused + cast ({hfe.runtime.host_kernel.OnePassAdam(threads).why_not})"
         self.ids = torch.randint(0, model.config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
@@ -172,8 +174,11 @@ class ElixirUpdate:
     def __call__(self) -> float:
         self.emodel.time_report(reset=True)
         self.opt.backward(self.emodel(input_ids=self.ids, labels=self.ids).loss)
+        skipped = getattr(self.opt, "skipped_steps", 0)
         self.opt.step()
         self.opt.zero_grad()
+        if getattr(self.opt, "skipped_steps", 0) != skipped:  # fp16: an inf gradient, no update to time
+            raise RuntimeError("the fp16 step was skipped (an inf or NaN gradient): no update was timed")
         last = self.emodel.time_report()["last"]
         return last["device_optimizer"] + last["cpu_optimizer"] + last["host_copies"]
 
@@ -235,7 +240,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     cores = usable_cores()
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, cores}))
-    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    p.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16", "float16"])
     p.add_argument("--width", type=int, default=1024)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--vocab", type=int, default=8192)

@@ -96,8 +96,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, nargs="+", default=sorted({1, usable_cores()}))
     p.add_argument("--elements", type=int, default=8 << 20)
-    p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float32"), default=["bfloat16", "float32"],
-                   help="compute dtypes (in fp32 the master is the shard: no copy, an fp32 download)")
+    p.add_argument("--dtypes", nargs="+", choices=("bfloat16", "float16"), default=["bfloat16", "float16"],
+                   help="compute dtypes: the gradient that comes down and the copy that goes up")
     p.add_argument("--repeats", type=int, default=15)
     p.add_argument("--quick", action="store_true", help="1M elements, 3 repeats (a check, not a figure)")
     p.add_argument("--out", type=Path, default=RESULTS)

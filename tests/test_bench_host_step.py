@@ -19,7 +19,7 @@ def test_quick_run_times_both_adds_and_every_host_step(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert [(row["compute_dtype"], row["threads"]) for row in rows] == [
-        ("bfloat16", 1), ("bfloat16", 2), ("float32", 1), ("float32", 2)]
+        ("bfloat16", 1), ("bfloat16", 2), ("float16", 1), ("float16", 2)]
     steps = {"plain", "clip_pass", "torch_kernel", "hf_elixir"}
     for row in rows:
         assert row["bit_equal"] is True and row["elements"] == 1 << 20

@@ -59,9 +59,9 @@ def make_model(arch: str, seed: int = 0) -> nn.Module:
 
 def offloaded_gpt2(world_size: int, compute_dtype: str = "bfloat16"):
     """A 2-layer GPT-2 (vocabulary 256) seeded 0, in chunks of 16K elements with every
-    chunk's optimizer state on the host: each update runs the one-pass host loop
-    (``runtime/host_kernel.py``), which writes the bf16 copy too (in fp32 the master is the
-    shard: no copy). Returns the model and its ``ElixirModule``."""
+    chunk's optimizer state on the host and ``compute_dtype`` compute (bf16 or fp16): each
+    update runs the one-pass host loop (``runtime/host_kernel.py``), which writes the copy
+    too. Returns the model and its ``ElixirModule``."""
     import transformers as tf
 
     import hf_elixir as hfe

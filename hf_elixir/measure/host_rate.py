@@ -31,16 +31,12 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
     ``clip_pass``: the clipping's scaling as a pass of its own before the update, as the
     runtime took it before the loop took the factor (the benchmark's third arm).
 
-    ``torch_kernel``: PyTorch's fused kernel, after a scaling pass, as where the loop is not
-    usable (in fp32, the runtime's path until the loop took fp32 chunks too).
-
-    In fp32 the master is the host shard (``Chunk.master_aliased``): the fp32 gradient comes
-    down and the update writes no copy."""
+    ``torch_kernel``: PyTorch's fused kernel after a scaling pass, then the cast, as where
+    the loop is not usable."""
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     master, grad, m, v = (torch.zeros(elems) for _ in range(4))
     master.normal_()
     staging = torch.randn(elems).to(compute_dtype)  # what a download leaves (pinned on a GPU machine)
-    copy = None if compute_dtype == torch.float32 else staging  # where the update's copy goes
     batch = {"params": [master], "grads": [grad], "exp_avg": [m], "exp_avg_sq": [v], "steps": [torch.zeros(())]}
     one_pass = OnePassAdam(threads)
     loop = one_pass if one_pass.usable and not torch_kernel else None
@@ -55,11 +51,10 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
         if separate:  # PyTorch's clipping scales the gradient in a pass of its own
             grad.mul_(coef)
         if loop is not None:  # the loop multiplies by the factor as it reads (Chunk.grad_factor)
-            loop.update("adamw", group, batch, [copy], 1.0 if separate else float(coef))
+            loop.update("adamw", group, batch, [staging], 1.0 if separate else float(coef))
         else:
             apply_update("adamw", group, master.device, batch, set())
-            if copy is not None:
-                copy.copy_(master)
+            staging.copy_(master)
         if plain:
             grad.zero_()
 

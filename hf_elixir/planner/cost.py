@@ -500,11 +500,12 @@ def after_backward(shard_elems: float, figs, hw: HardwareProfile, world_size: in
 
     Offloading changes none of it: a CPU device's "offloaded" state is already in host
     memory, so the runtime copies nothing out or back (``traffic.step_traffic`` counts no
-    host<->device bytes there either) and every shard updates on the same cores. Its
-    update does differ: the one-pass loop (``runtime/host_kernel.py``) takes the clipping's
-    factor as it reads, with no scaling pass. It is priced at the one measured rate all the
-    same, a small overestimate (that pass moved 8 of some 40 bytes an element) that a second
-    calibration on every CPU machine would not repay: a CPU device trains only tiny models."""
+    host<->device bytes there either) and every shard updates on the same cores. In bf16 or
+    fp16 an offloaded chunk's update does differ: the one-pass loop
+    (``runtime/host_kernel.py``) writes the copy and takes the clipping's factor as it reads,
+    with no scaling pass. It is priced at the one measured rate all the same, a small
+    overestimate (that pass moved 8 of some 40 bytes an element) that a second calibration on
+    every CPU machine would not repay: a CPU device trains only tiny models."""
     if figs.update_rate > 0:
         t = shard_elems / figs.update_rate
     else:

@@ -25,14 +25,16 @@ from hf_elixir.runtime.disk_tier import DiskTier
 HOST = torch.device("cpu")
 
 
-def by_device(chunks: Sequence[Chunk], disk: Optional[DiskTier]) -> dict[torch.device, list[Chunk]]:
+def by_device(chunks: Sequence[Chunk], disk: Optional[DiskTier],
+              keep_factors: bool = False) -> dict[torch.device, list[Chunk]]:
     """The chunks with a non-empty gradient shard, grouped by where it lives (the host for
-    a disk chunk); every gradient written to the disk tier has reached its file."""
+    a disk chunk); every gradient written to the disk tier has reached its file.
+    ``keep_factors``: a pending clipping factor stays pending (``Chunk.settle_grad``)."""
     if disk is not None:
         disk.grads.settle()
     out: dict[torch.device, list[Chunk]] = defaultdict(list)
     for chunk in chunks:
-        chunk.settle_grad()
+        chunk.settle_grad(keep_factor=keep_factors)
         if chunk.grad_shard.numel():
             out[HOST if chunk.disk else chunk.grad_shard.device].append(chunk)
     return out
@@ -64,9 +66,13 @@ def scale(chunks: Sequence[Chunk], disk: Optional[DiskTier], factor: Union[float
 
 
 def found_inf(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives) -> bool:
-    """Whether any rank has an inf/NaN gradient: one host sync per device, one all-reduce."""
+    """Whether any rank has an inf/NaN gradient: one host sync per device, one all-reduce.
+    A pending clipping factor is left to the update that takes it: it cannot change the
+    answer. A factor in (0, 1] keeps a finite value finite and an inf or NaN one so; a
+    factor of 0 (a max norm of 0, or a norm that overflowed) keeps finite values finite and
+    turns inf into NaN; a NaN factor comes only from a NaN norm, which a NaN gradient made."""
     flag = torch.zeros(1, dtype=torch.float32)
-    for group in by_device(chunks, disk).values():
+    for group in by_device(chunks, disk, keep_factors=True).values():
         bad = torch.stack([torch.isfinite(g).all() for g in values(group, disk)]).logical_not().any()
         flag = torch.maximum(flag, bad.float().cpu().reshape(1))
     return bool(comm.all_reduce(flag, op="max").item())

@@ -9,7 +9,9 @@ at about 3 G elements/s each. One loop that writes the bf16 copy from the values
 computed moves 30 bytes per parameter, once. It also takes the gradient clipping's factor
 (``grad_shards.clip`` leaves it pending on a host chunk, ``Chunk.grad_factor``) and multiplies
 each gradient by it as it reads it, as ``grad.mul_(factor)`` would have in a pass of its own
-(8 more bytes per parameter, on the main thread, before any update could start).
+(8 more bytes per parameter, on the main thread, before any update could start). In fp16
+the copy is fp16 (where the compiler converts to it: ``OnePassAdam.copy_dtypes``; the
+vectorised loop writes a cache-sized fp32 block, which the hardware conversion then reads).
 
 The loop is a few lines of C (``_SOURCE``), compiled for this machine's CPU the first time a
 process needs it (``cc -O3 -march=native``, about a second) and kept in the calibration cache
@@ -27,11 +29,12 @@ library, the parts run on Python threads.
 
 It computes what ``torch._fused_adamw_`` / ``torch._fused_adam_`` compute, in their order of
 operations, on fp32 values, and rounds the copy as PyTorch's cast does (to nearest, ties to
-even; NaN to the canonical NaN). It is not held to agree with them bit for bit (their
-vectorised code may group an operation differently): ``check`` compares the two on sample
-data when the library loads, within :data:`TOLERANCE`, and the copy with PyTorch's own cast
-exactly. Every host update of one run goes through the same loop (overlapped and inline, the
-host and the disk tiers), so those agree with each other exactly.
+even; a bf16 NaN to the canonical NaN, an fp16 one as the hardware converts it). It is not
+held to agree with them bit for bit (their vectorised code may group an operation
+differently): ``check`` compares the two on sample data when the library loads, within
+:data:`TOLERANCE`, and the copy with PyTorch's own cast exactly. Every host update of one
+run goes through the same loop (overlapped and inline, the host and the disk tiers), so
+those agree with each other exactly.
 
 Where no C compiler is found, the build fails, or ``HF_ELIXIR_HOST_KERNEL=torch`` is set,
 ``OnePassAdam.usable`` is False and the optimizer keeps PyTorch's fused kernel and a
@@ -71,6 +74,14 @@ _SOURCE = r"""
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+#if defined(__F16C__) || defined(__FLT16_MAX__)
+#define HAS_FP16 1
+#else
+#define HAS_FP16 0
+#endif
 
 /* fp32 -> bf16 as PyTorch casts: to nearest, ties to even; NaN to 0x7FC0 */
 static inline uint16_t to_bf16(float x) {
@@ -116,15 +127,65 @@ static inline void adam(float *restrict param, const void *restrict grad, float 
     }
 }
 
+/* fp32 -> fp16 as PyTorch's CPU cast: the hardware conversion, to nearest, ties to even
+   (NaN: quiet, the payload's top bits kept) */
+static void to_fp16(const float *restrict src, uint16_t *restrict dst, int64_t n) {
+    int64_t i = 0;
+#if defined(__F16C__)
+    for (; i + 8 <= n; i += 8)
+        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++)
+        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
+#elif defined(__FLT16_MAX__)
+    for (; i < n; i++) {
+        _Float16 h = (_Float16)src[i];
+        memcpy(dst + i, &h, sizeof h);
+    }
+#else
+    (void)src; (void)dst; (void)n; (void)i;
+#endif
+}
+
+/* 1 where the loop writes an fp16 copy */
+int hf_elixir_fp16(void) {
+#if HAS_FP16
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+int hf_elixir_adam(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out, int64_t n,
+                   const float *s, int grad_bf16, int out_kind, int decoupled, int maximize);
+
+/* the fp16 copy: the vectorised loop writes an fp32 block that stays in the cache, which
+   the conversion then reads (compilers do not vectorise the conversion inside the loop) */
+static int adam_fp16(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, uint16_t *out, int64_t n,
+                     const float *s, int grad_bf16, int decoupled, int maximize) {
+    float block[1024];
+    const int64_t grad_size = grad_bf16 ? 2 : 4;
+    for (int64_t lo = 0; lo < n; lo += 1024) {
+        const int64_t m = n - lo < 1024 ? n - lo : 1024;
+        if (hf_elixir_adam(param + lo, (const char *)grad + grad_size * lo, exp_avg + lo, exp_avg_sq + lo, block, m,
+                           s, grad_bf16, 1, decoupled, maximize))
+            return 1;
+        to_fp16(block, out + lo, m);
+    }
+    return 0;
+}
+
 #define CASE(GB, OK, DE, MA) \
     if (grad_bf16 == GB && out_kind == OK && decoupled == DE && maximize == MA) { \
         adam(param, grad, exp_avg, exp_avg_sq, out, n, s, GB, OK, DE, MA); return 0; }
 #define CASES(GB, OK) CASE(GB, OK, 0, 0) CASE(GB, OK, 0, 1) CASE(GB, OK, 1, 0) CASE(GB, OK, 1, 1)
 
-/* grad_bf16: the gradient is bf16 (else fp32); out_kind: 0 no copy, 1 an fp32 copy, 2 bf16 */
+/* grad_bf16: the gradient is bf16 (else fp32); out_kind: 0 no copy, 1 an fp32 copy, 2 bf16,
+   3 fp16 (where hf_elixir_fp16) */
 int hf_elixir_adam(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out, int64_t n,
                    const float *s, int grad_bf16, int out_kind, int decoupled, int maximize) {
     CASES(0, 0) CASES(0, 1) CASES(0, 2) CASES(1, 0) CASES(1, 1) CASES(1, 2)
+    if (out_kind == 3 && HAS_FP16)
+        return adam_fp16(param, grad, exp_avg, exp_avg_sq, (uint16_t *)out, n, s, grad_bf16, decoupled, maximize);
     return 1;
 }
 
@@ -142,7 +203,7 @@ int hf_elixir_openmp(void) {
 int hf_elixir_adam_parallel(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out,
                             int64_t n, const float *s, int grad_bf16, int out_kind, int decoupled, int maximize,
                             int parts) {
-    const int64_t grad_size = grad_bf16 ? 2 : 4, out_size = out_kind == 2 ? 2 : 4;
+    const int64_t grad_size = grad_bf16 ? 2 : 4, out_size = out_kind >= 2 ? 2 : 4;
     const int64_t per = ((n + parts - 1) / parts + 63) / 64 * 64;
     int rc = 0;
 #pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(|:rc)
@@ -160,8 +221,9 @@ int hf_elixir_adam_parallel(float *param, const void *grad, float *exp_avg, floa
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-std=c11")
 #: file names of the OpenMP runtimes PyTorch builds link (GNU's, Intel's, LLVM's)
 _OPENMP_NAME = re.compile(r"^lib(gomp|iomp5|omp)\b[^/]*\.so(\.[0-9]+)*$")
-_OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2}
-#: the compute dtypes the loop writes a copy in
+_OUT_KIND = {None: 0, torch.float32: 1, torch.bfloat16: 2, torch.float16: 3}
+#: the compute dtypes the loop writes a copy in on any machine (fp16 where the compiler
+#: can convert to it: ``OnePassAdam.copy_dtypes``)
 COPY_DTYPES = frozenset((torch.float32, torch.bfloat16))
 
 
@@ -255,6 +317,7 @@ def _load(path: Path) -> ctypes.CDLL:
     parallel = lib.hf_elixir_adam_parallel
     parallel.restype = ctypes.c_int
     parallel.argtypes = fn.argtypes + [ctypes.c_int]
+    lib.copy_dtypes = COPY_DTYPES | ({torch.float16} if lib.hf_elixir_fp16() else set())
     #: the process whose OpenMP runs the parts: a forked child inherits a runtime whose
     #: threads it does not have (GNU OpenMP would wait for them forever)
     lib.openmp_pid = os.getpid() if lib.hf_elixir_openmp() else None
@@ -294,6 +357,12 @@ class OnePassAdam:
     @property
     def usable(self) -> bool:
         return self._library()[0] is not None
+
+    @property
+    def copy_dtypes(self) -> frozenset:
+        """The compute dtypes the loop writes a copy in here (fp16 where the compiler converts)."""
+        lib = self._library()[0]
+        return frozenset() if lib is None else frozenset(lib.copy_dtypes)
 
     @property
     def why_not(self) -> Optional[str]:
@@ -390,23 +459,26 @@ def _check_views(param: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor,
     ok = all(t.dtype == torch.float32 and t.is_contiguous() and t.device.type == "cpu" and t.numel() == n
              for t in (param, exp_avg, exp_avg_sq))
     ok = ok and grad.dtype in (torch.float32, torch.bfloat16) and grad.is_contiguous() and grad.numel() == n
-    ok = ok and (out is None or (out.dtype in COPY_DTYPES and out.is_contiguous() and out.numel() == n))
+    ok = ok and (out is None or (out.dtype in _OUT_KIND and out.is_contiguous() and out.numel() == n))
     if not ok:
         raise RuntimeError("hf_elixir: the one-pass host Adam takes contiguous CPU views of one length: fp32 "
-                           "weights and moments, an fp32 or bf16 gradient, an fp32 or bf16 copy")
+                           "weights and moments, an fp32 or bf16 gradient, an fp32, bf16 or fp16 copy")
 
 
 def check(lib: ctypes.CDLL) -> Optional[str]:
     """Compare the loop with PyTorch's fused kernels over a few steps on sample data (AdamW and
-    Adam, maximising or not, with no copy, an fp32 and a bf16 copy, a gradient factor or
-    none, a length no vector width divides); None when they agree within :data:`TOLERANCE`
-    and every copy is PyTorch's cast of the weights, else what differed."""
+    Adam, maximising or not, with no copy, an fp32, a bf16 and (where the compiler converts
+    to it) an fp16 copy, a gradient factor or none, a length no vector width divides); None
+    when they agree within :data:`TOLERANCE` and every copy is PyTorch's cast of the
+    weights, else what differed."""
     n = 4099
     gen = torch.Generator().manual_seed(0)
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     runner = OnePassAdam(1)
     # (algorithm, copy, maximize, the gradient's factor: the reference scales it first, as clipping did)
     cases = [("adamw", torch.bfloat16, False, 0.3), ("adamw", None, True, 1.0), ("adam", torch.float32, False, 0.7)]
+    if lib.hf_elixir_fp16():
+        cases.append(("adamw", torch.float16, False, 0.5))
     for algorithm, out_dtype, maximize, factor in cases:
         factor = torch.tensor(factor, dtype=torch.float32)
         ours = [torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
