@@ -254,7 +254,8 @@ def _compiler() -> str:
 
 
 def openmp_runtime() -> Optional[Path]:
-    """The OpenMP runtime this process has loaded (PyTorch's, for its CPU kernels), or None.
+    """The OpenMP runtime this process has loaded (PyTorch's, for its CPU kernels), or None;
+    one in PyTorch's own folder (the wheel's) before any other a library may have mapped.
 
     The loop's parts run on its threads: after each parallel kernel PyTorch's threads spin a
     while before they sleep, and threads of the loop's own would wait for those cores (at
@@ -265,8 +266,10 @@ def openmp_runtime() -> Optional[Path]:
             paths = {line.split(maxsplit=5)[-1].strip() for line in f if ".so" in line}
     except OSError:
         return None
-    found = sorted(p for p in paths if p.startswith("/") and _OPENMP_NAME.match(os.path.basename(p)))
-    return Path(found[0]) if found else None
+    found = [Path(p) for p in paths if p.startswith("/") and _OPENMP_NAME.match(os.path.basename(p))]
+    own = Path(torch.__file__).resolve().parent  # a runtime PyTorch's wheel ships comes first
+    found.sort(key=lambda path: (own not in path.resolve().parents, str(path)))
+    return found[0] if found else None
 
 
 def _build(cc: str, source: Path, built: Path, runtime: Optional[Path]) -> Optional[str]:
