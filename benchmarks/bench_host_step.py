@@ -52,7 +52,7 @@ def torch_mixed(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 ADDS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"torch_mixed": torch_mixed, "hf_elixir": add_widened}
-STEPS = ("plain", "clip_pass", "torch_kernel", "hf_elixir")
+STEPS = ("plain", "clip_pass", "torch_kernel", "hf_elixir")  # host_rate.ARMS, in the order timed
 
 
 def time_add(add: Callable[[torch.Tensor, torch.Tensor], None], target: torch.Tensor, source: torch.Tensor) -> float:
@@ -78,9 +78,7 @@ def measure(elems: int, threads: int, repeats: int, dtype: torch.dtype) -> dict:
                 adds[name].append(time_add(add, target, source))
         for _ in range(max(1, repeats // 3)):
             for name in STEPS:
-                steps[name].append(host_update_rate(elems, threads, dtype, plain=name == "plain",
-                                                    clip_pass=name == "clip_pass",
-                                                    torch_kernel=name == "torch_kernel"))
+                steps[name].append(host_update_rate(elems, threads, dtype, arm=name))
     add_ms = {name: statistics.median(v) * 1e3 for name, v in adds.items()}
     step_rate = {name: statistics.median(v) for name, v in steps.items()}
     return {"compute_dtype": str(dtype).removeprefix("torch."), "threads": threads, "elements": elems,

@@ -16,8 +16,12 @@ from hf_elixir.runtime.threads import using_threads
 from hf_elixir.runtime.update import apply_update
 
 
+#: the ways ``host_update_rate`` can take the step (``benchmarks/bench_host_step.py``'s arms)
+ARMS = ("hf_elixir", "clip_pass", "torch_kernel", "plain")
+
+
 def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16,
-                     plain: bool = False, clip_pass: bool = False, torch_kernel: bool = False) -> float:
+                     arm: str = "hf_elixir") -> float:
     """Elements/s of everything the host does, per element of an offloaded chunk, in a step
     on a GPU, with the runtime's own kernels and the threads its host update uses
     (``runtime/threads.py``): the downloaded compute-dtype gradient copied into the fp32
@@ -26,20 +30,24 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
     its compute-dtype copy and the clipping's scaling (``host_kernel.py``'s one-pass loop, or
     a scaling pass, PyTorch's fused kernel and a cast where the loop is not usable).
 
-    ``plain``: the same step as PyTorch's own operations take it, the gradient added into a
-    zeroed shard and the shard zeroed again (``benchmarks/bench_host_step.py`` compares).
-    ``clip_pass``: the clipping's scaling as a pass of its own before the update, as the
-    runtime took it before the loop took the factor (the benchmark's third arm).
+    ``arm`` (one of :data:`ARMS`) takes it another way, for comparison:
 
-    ``torch_kernel``: PyTorch's fused kernel after a scaling pass, then the cast, as where
-    the loop is not usable."""
+    - ``clip_pass``: the clipping's scaling as a pass of its own before the update, as the
+      runtime took it before the loop took the factor;
+    - ``torch_kernel``: PyTorch's fused kernel after a scaling pass, then the cast, as where
+      the loop is not usable;
+    - ``plain``: the same step as PyTorch's own operations take it, the gradient added into a
+      zeroed shard and the shard zeroed again."""
+    if arm not in ARMS:
+        raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
+    plain = arm == "plain"
     group = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
     master, grad, m, v = (torch.zeros(elems) for _ in range(4))
     master.normal_()
     staging = torch.randn(elems).to(compute_dtype)  # what a download leaves (pinned on a GPU machine)
     batch = {"params": [master], "grads": [grad], "exp_avg": [m], "exp_avg_sq": [v], "steps": [torch.zeros(())]}
     one_pass = OnePassAdam(threads)
-    loop = one_pass if one_pass.usable and not torch_kernel else None
+    loop = one_pass if one_pass.usable and arm != "torch_kernel" else None
 
     def host_step() -> None:
         if plain:
@@ -47,7 +55,7 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
         else:
             grad.copy_(staging)
         coef = torch.clamp(1.0 / (torch.linalg.vector_norm(grad) + 1e-6), max=1.0)
-        separate = plain or clip_pass or loop is None
+        separate = arm in ("plain", "clip_pass") or loop is None
         if separate:  # PyTorch's clipping scales the gradient in a pass of its own
             grad.mul_(coef)
         if loop is not None:  # the loop multiplies by the factor as it reads (Chunk.grad_factor)

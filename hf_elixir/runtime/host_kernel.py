@@ -365,7 +365,7 @@ class OnePassAdam:
     def copy_dtypes(self) -> frozenset:
         """The compute dtypes the loop writes a copy in here (fp16 where the compiler converts)."""
         lib = self._library()[0]
-        return frozenset() if lib is None else frozenset(lib.copy_dtypes)
+        return frozenset() if lib is None else lib.copy_dtypes
 
     @property
     def why_not(self) -> Optional[str]:
