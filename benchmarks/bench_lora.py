@@ -186,7 +186,12 @@ def build_lora(name: str, base_folder: str | None = None) -> nn.Module:
     torch.manual_seed(1)
     config = LoraConfig(r=LORA_RANK, lora_alpha=2 * LORA_RANK, lora_dropout=0.0, target_modules=TARGETS[kind],
                         fan_in_fan_out=kind == "gpt2")  # GPT-2's projections are Conv1D
-    return get_peft_model(base, config)
+    model = get_peft_model(base, config)
+    # from_pretrained returns a model in eval mode; a training loop puts it in train mode.
+    # It matters beyond dropout: on a CPU with AVX512 bf16, bitsandbytes re-packs a 4-bit
+    # weight in place the first time an eval-mode layer runs on an input without gradients,
+    # and under FSDP2 that re-packed copy is lost when the weight is resharded
+    return model.train()
 
 
 def unique_params(tensors) -> list[torch.Tensor]:

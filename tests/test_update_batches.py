@@ -46,15 +46,18 @@ def _setup(split: bool):
     model.config.tie_word_embeddings = False
     model.train()
     reference = copy.deepcopy(model)
-    plain = torch.optim.AdamW(_groups(reference, split), lr=LR)
+    plain = torch.optim.AdamW(_groups(reference, split), lr=LR, fused=True)
     emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=1 << 14))
     opt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(_groups(model, split), lr=LR))
     return model, reference, plain, emodel, opt
 
 
 def _assert_same(reference, model, plain, opt) -> None:
+    """Bit for bit: the reference runs the kernel the runtime runs (``fused=True``); the
+    default for-loop kernel may round weight decay an ulp apart, which Adam then amplifies
+    where a gradient is near zero."""
     for (name, theirs), ours in zip(reference.named_parameters(), model.parameters()):
-        torch.testing.assert_close(ours.detach(), theirs.detach(), rtol=0, atol=1e-6, msg=name)
+        assert torch.equal(ours.detach(), theirs.detach()), name
     ours = opt.state_dict()["state"]
     theirs = plain.state_dict()["state"]
     assert {i: float(s["step"]) for i, s in ours.items()} == {i: float(s["step"]) for i, s in theirs.items()}

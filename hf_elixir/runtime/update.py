@@ -1,6 +1,11 @@
 """One optimizer update over lists of views (of flat shards): PyTorch's own functional
-AdamW, Adam or SGD, with the fused kernel where the device has one, so the arithmetic is
-the user's optimizer's, bit for bit (``ElixirOptimizer`` decides what the lists hold)."""
+AdamW, Adam or SGD (``ElixirOptimizer`` decides what the lists hold).
+
+Adam(W) runs the fused kernel where the device has one, whatever the user's optimizer's
+``fused``/``foreach`` flags say: one pass over a flat stretch is what makes the update fast,
+and its bits are exactly ``AdamW(fused=True)``'s. PyTorch's default for-loop kernel on a
+CPU may round the weight-decay term one ulp apart from the fused one (seen on an AVX-512
+CPU), so a bit-for-bit reference uses ``fused=True``."""
 
 from __future__ import annotations
 
