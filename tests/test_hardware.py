@@ -33,6 +33,23 @@ def test_every_preset_exists_and_says_where_each_figure_comes_from():
     assert HardwareProfile.preset("h100-80g").matmul_flops["bfloat16"] > HardwareProfile.preset("a100-80g").matmul_flops["bfloat16"]
 
 
+@pytest.mark.parametrize("device_name,preset", [
+    ("NVIDIA H100 80GB HBM3", "h100-80g"), ("NVIDIA H200", "h200"), ("NVIDIA A100-SXM4-80GB", "a100-80g"),
+    ("NVIDIA A100-PCIE-40GB", "a100-40g"), ("Tesla V100-SXM2-32GB", "v100-32g"), ("NVIDIA L4", "l4"),
+    ("Tesla T4", "t4"), ("NVIDIA GeForce RTX 4090", "rtx4090"), ("NVIDIA GeForce RTX 3090 Ti", "rtx3090"),
+    # no preset's whole word: estimates, not another card's figures
+    ("NVIDIA L40S", None), ("NVIDIA GH200 480GB", None), ("NVIDIA RTX A6000", None),
+])
+def test_a_cuda_device_name_is_read_word_by_word(device_name, preset):
+    from hf_elixir.hardware import ESTIMATE, _match_preset
+
+    prof = _match_preset(device_name)
+    if preset is None:
+        assert set(prof.sources.values()) == {ESTIMATE}
+    else:
+        assert prof.name == preset and ESTIMATE not in {prof.sources["matmul_flops"], prof.sources["device_memory"]}
+
+
 def test_unknown_preset_lists_the_choices():
     with pytest.raises(HardwareError, match="rtx4090"):
         HardwareProfile.preset("tpu-v9")

@@ -80,8 +80,7 @@ def register_plan(sub) -> None:
     p.add_argument("--nodes", type=int, default=None, help="number of nodes (default 1)")
     p.add_argument("--gpu-memory", default=None, help="memory per GPU, e.g. 24GiB, '24 GB', 24000MB")
     p.add_argument("--hardware", default=None,
-                   help="hardware preset (a100-40g, a100-80g, h100-80g, h200, l4, t4, v100-32g, rtx3090, "
-                        "rtx4090, cpu); default: this machine")
+                   help=f"hardware preset ({', '.join(HardwareProfile.presets())}); default: this machine")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
