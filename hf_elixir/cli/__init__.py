@@ -30,6 +30,7 @@ from hf_elixir.profile.forked import available_workers
 from hf_elixir.profile.lora import meta_lora_model
 from hf_elixir.profile.quant import meta_4bit
 from hf_elixir.profile.trace import build_meta_model
+from hf_elixir.vocab import OPTIMIZERS
 
 
 # ---------------------------------------------------------------------- model loading
@@ -84,7 +85,7 @@ def register_plan(sub) -> None:
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU")
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
-    p.add_argument("--optimizer", default="adamw", help="adamw, adam or sgd")
+    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="the update the run will use")
     p.add_argument("--efficiency", default="auto",
                    help="how compute is priced: auto (time the model here when planning for this calibrated "
                         "machine), measure, calibrated (the calibration's figure for the model's width), or a number")

@@ -20,6 +20,7 @@ from hf_elixir.planner.record import ElixirPlan, PlanError
 from hf_elixir.planner.replan import with_split
 from hf_elixir.profile.profiler import model_checkpoints
 from hf_elixir.runtime.disk_tier import resolve_path
+from hf_elixir.runtime.update import algorithm_of
 from hf_elixir.vocab import torch_dtype
 from hf_elixir.planner.search import plan as search
 
@@ -28,12 +29,15 @@ MIXED_PRECISION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 
 def optimizer_kind(optimizer: Optional[torch.optim.Optimizer]) -> str:
-    """The planner's optimizer name; AdamW (the largest state) when it is not known yet."""
-    if optimizer is None or isinstance(optimizer, (torch.optim.AdamW, torch.optim.Adam)):
+    """The planner's name of the update ``optimizer`` asks for (the runtime's
+    ``algorithm_of``, so both read one optimizer the same way); AdamW (the largest state)
+    when it is not known yet."""
+    if optimizer is None:
         return "adamw"
-    if isinstance(optimizer, torch.optim.SGD):
-        return "sgd"
-    raise ElixirConfigError(unsupported_optimizer_message(type(optimizer).__name__))
+    try:
+        return algorithm_of(optimizer)
+    except TypeError:
+        raise ElixirConfigError(unsupported_optimizer_message(type(optimizer).__name__)) from None
 
 
 def unsupported_optimizer_message(name: str) -> str:

@@ -56,7 +56,7 @@ from typing import Any, Callable, Iterable, Sequence
 from hf_elixir.hardware import HardwareProfile
 from hf_elixir.planner.fetches import FetchReplay
 from hf_elixir.planner.memory_model import (  # noqa: F401  the memory half, re-exported
-    ALLOCATOR_MARGIN, OPTIMIZER_STATE_BYTES, MemoryBreakdown, aligned_peak, memory)
+    ALLOCATOR_MARGIN, MemoryBreakdown, aligned_peak, memory)
 from hf_elixir.vocab import DTYPE_BYTES  # noqa: F401  (cost.DTYPE_BYTES, for the search)
 
 

@@ -27,9 +27,8 @@ from typing import Callable, Optional
 from hf_elixir.hardware import HardwareProfile
 from hf_elixir.planner.candidate import Candidate
 from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
-from hf_elixir.planner.memory_model import OPTIMIZER_STATE_BYTES
 from hf_elixir.planner.record import PlanError
-from hf_elixir.vocab import format_bytes
+from hf_elixir.vocab import OPTIMIZER_STATE_BYTES, format_bytes
 
 #: host buffers of the runtime's ring (``runtime/disk_tier.DiskTier``'s default), each as
 #: large as the largest chunk's planes

@@ -7,12 +7,10 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hf_elixir.planner.packing import Placements
-from hf_elixir.vocab import DTYPE_BYTES
+from hf_elixir.vocab import DTYPE_BYTES, OPTIMIZER_STATE_BYTES
 
 #: fraction added to the predicted bytes for fragmentation of CUDA's caching allocator
 ALLOCATOR_MARGIN = 0.05
-#: bytes per element of optimizer state
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
 
 
 # ---------------------------------------------------------------------- memory

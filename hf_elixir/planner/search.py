@@ -45,10 +45,9 @@ from hf_elixir.profile.forked import forked_map
 from hf_elixir.profile.needs import rcache_minimum
 from hf_elixir.profile.params import chunked_parameters, model_signature
 from hf_elixir.profile.profiler import ModelProfile, model_checkpoints, profile_model
-from hf_elixir.vocab import format_bytes
+from hf_elixir.vocab import OPTIMIZERS, format_bytes
 
 T = TypeVar("T")
-OPTIMIZERS = ("adamw", "adam", "sgd")
 PREFETCH_DEPTHS = (0, 1, 2)
 MAX_GRID = 128
 #: most counts of offloaded frozen chunks tried per (chunk size, checkpointing, rCache,
@@ -584,7 +583,7 @@ def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
     master, optimizer state and gradient shard per offloaded optimizer, the compute-dtype
     shard per offloaded trainable or frozen chunk."""
     shard = c.chunk_size // W
-    per = 4 + cost.OPTIMIZER_STATE_BYTES[optimizer] + 4
+    per = disk.bytes_per_element(optimizer)
     # disk chunks keep none of it here (their gradient shards are on disk too), and the
     # rings hold a few of them
     on_disk = disk.disk_bytes(c, W, optimizer) - disk.ring_bytes(c, W, optimizer)

@@ -21,7 +21,8 @@ SUPPORTED = (AdamW, Adam, SGD)
 
 
 def algorithm_of(optimizer: Optimizer) -> str:
-    """The update ``optimizer`` asks for: "adamw", "adam" or "sgd"; a clear error for any other."""
+    """The update ``optimizer`` asks for, by its name in ``vocab.OPTIMIZERS`` ("adamw",
+    "adam" or "sgd"); a clear error for any other."""
     if isinstance(optimizer, AdamW):
         return "adamw"
     if isinstance(optimizer, Adam):
