@@ -88,7 +88,7 @@ def test_cli_nvme_size_and_flags(capsys) -> None:
 def _cand(**kw) -> Candidate:
     base = dict(chunk_size=100_000_000, n_chunks=4, checkpointing=False, rcache_blocks=2, prefetch_depth=1,
                 n_optim_cpu=4, n_param_cpu=0, peak=1.0, step_time=1.0, comm_bytes=0.0, pcie_bytes=0.0,
-                memory={}, gathers=0, host_end=1.0,
+                memory={}, gathers=0, host_ready=1.0,
                 time={"forward_backward": 0.9, "device_optimizer": 0.1, "cpu_optimizer": 0.05})
     base.update(kw)
     return Candidate(**base)

@@ -30,7 +30,9 @@ class Candidate:
     n_frozen: int = 0       # chunks that hold frozen parameters (among n_chunks)
     n_frozen_cpu: int = 0   # the last of them whose shards live on the CPU
     n_optim_disk: int = 0   # the last of the optimizer-offloaded chunks whose state is on disk
-    host_end: float = 0.0   # when the host updates end (planner/disk.py extends it by disk I/O)
+    #: the latest start of the next forward that no host update would make wait
+    #: (``host_steps.HostSide.ready``; planner/disk.py delays it by exposed disk I/O)
+    host_ready: float = 0.0
 
     @property
     def n_trainable(self) -> int:

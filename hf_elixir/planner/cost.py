@@ -37,7 +37,7 @@ the runtime starts them (``hf_elixir.planner.fetches`` replays its fetching: on 
 once its last backward user ran. On a CPU whose cores all run ranks, communication beside
 compute slows compute by the share calibration found not to hide (``Links``). After
 backward: on a GPU, chunks whose optimizer runs on the CPU copy their gradient shards down
-and updates run beside the device optimizer (``cpu_pipeline``); on a CPU device clipping
+and their updates run on the host behind the next forward (``host_steps``); on a CPU device clipping
 and AdamW share the rank's cores (``after_backward``), and offloading costs no time: the
 state is in host memory already. Frozen chunks are gathered like the others (an offloaded
 one uploaded first) and take no part in anything after their use: no gradient copy, no
@@ -515,33 +515,3 @@ def after_backward(shard_elems: float, figs, hw: HardwareProfile, world_size: in
     if world_size > 1:
         t += 3 * hw.collective_latency
     return t
-
-
-def cpu_pipeline(rs_done: Sequence[float], backward_end: float, elems: Sequence[int], world_size: int,
-                 compute_bytes: int, hw: HardwareProfile, ranks_per_node: int,
-                 chunks: Sequence[int] | None = None) -> list[float]:
-    """End time of the CPU optimizer when the last k chunks are offloaded, for k = 0..n.
-    ``chunks``: the chunks that have an optimizer (the trainable ones, in order; default
-    all): k counts the last of those, since a frozen chunk has nothing to update.
-
-    Offloaded chunks are the tail of the packing order: their gradients are reduced first in
-    backward, so their device->host copies overlap the rest of backward. The updates
-    themselves cannot start before backward ends: global-norm clipping and the fp16 inf/NaN
-    check need every gradient first. They then run beside the device optimizer. Each chunk:
-    CPU AdamW (the host's throughput is shared by the node's ranks), then a host->device copy
-    of the updated compute-dtype shard.
-    """
-    order = range(len(rs_done)) if chunks is None else chunks
-    rate = hw.cpu_adam_throughput / max(1, ranks_per_node)
-    ends = [0.0]
-    link = 0.0
-    free = backward_end
-    end = 0.0
-    for j in reversed(order):
-        shard = elems[j] / world_size
-        link = max(link, rs_done[j]) + shard * compute_bytes / hw.d2h_bandwidth
-        start = max(link, free)
-        free = start + shard / rate
-        end = max(end, free + shard * compute_bytes / hw.h2d_bandwidth)
-        ends.append(end)
-    return ends

@@ -76,10 +76,10 @@ def priced(c: Candidate, q: int, W: int, optimizer: str, hw: HardwareProfile) ->
     io = disk_seconds(disk_bytes(out, W, optimizer), min(W, hw.gpus_per_node), hw)
     late = exposed(io, c.time.get("cpu_optimizer", 0.0))
     device_end = c.time["forward_backward"] + c.time["device_optimizer"]
-    out.host_end = c.host_end + late
-    out.step_time = max(device_end, out.host_end)
-    out.time.update(disk_io=io, exposed_disk=late, exposed_cpu=max(0.0, out.host_end - device_end),
-                    step=out.step_time)
+    out.host_ready = c.host_ready + late
+    exposed_cpu = max(0.0, out.host_ready - device_end)
+    out.step_time = device_end + exposed_cpu
+    out.time.update(disk_io=io, exposed_disk=late, exposed_cpu=exposed_cpu, step=out.step_time)
     return out
 
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hf_elixir.hardware import HardwareProfile, parse_memory
-from hf_elixir.planner import cost, disk, fetches, levers, packing, pricing, traffic
+from hf_elixir.planner import cost, disk, fetches, host_steps, levers, packing, pricing, traffic
 from hf_elixir.planner.candidate import Candidate, chain, signature
 from hf_elixir.planner.efficiency import compute_figures, model_efficiency
 from hf_elixir.planner.memo import CandidateMemo
@@ -151,6 +151,7 @@ def _enumerate(profile: ModelProfile, hw: HardwareProfile, world_size: int, comp
             nested = rcache_minimum(tr.pins, tr.module_params, chunks)
             live = tr.live or [(0, step.memory.peak)] * len(seq)
             setup = cost.sim_setup(seq, chunk_bytes, world_size, links, adopted, frozen)
+            reach = host_steps.forward_reach(seq, n)
             ctx = _Context(S, n, ckpt, elems, cb, world_size, compute_dtype, optimizer,
                            profile.buffer_bytes, context, hw, figs, live, frozen, trainable, setup)
             replayed = _Replays(requests, world_size, frozen)
@@ -158,9 +159,9 @@ def _enumerate(profile: ModelProfile, hw: HardwareProfile, world_size: int, comp
             def simulated(R: int, d: int, on_host: frozenset[int]):
                 sim = cost.simulate(seq, replayed(R, d, on_host), chunk_bytes, world_size, links,
                                     param_cpu=on_host, adopted=adopted, frozen=frozen, setup=setup)
-                ends = cost.cpu_pipeline(sim.rs_done, sim.backward_end, elems, world_size, cb, hw,
-                                         ranks_per_node, trainable)
-                return sim, ends
+                sides = host_steps.host_sides(sim.rs_done, sim.backward_end, reach, elems, world_size, cb,
+                                              hw, ranks_per_node, trainable)
+                return sim, sides
 
             for d in PREFETCH_DEPTHS:
                 r_min = max(2, span + max(1, d), nested)
@@ -170,16 +171,16 @@ def _enumerate(profile: ModelProfile, hw: HardwareProfile, world_size: int, comp
                     # count of offloaded optimizers; only with prefetch, which is what hides
                     # their uploads (without, the same memory is always faster with prefetch)
                     for f in _grid(0, nf, FROZEN_GRID) if d else [0]:
-                        sim, cpu_end = simulated(R, d, frozenset(fz[nf - f:]))
+                        sim, sides = simulated(R, d, frozenset(fz[nf - f:]))
                         for k in _grid(0, nt):
-                            out.append(_candidate(ctx, R, d, k, 0, f, sim, cpu_end[k]))
+                            out.append(_candidate(ctx, R, d, k, 0, f, sim, sides[k]))
                     if d == 1 and R == r_min and nt:
                         # trainable parameters offloaded too, after every optimizer and every
                         # frozen chunk (read-only, they go first)
                         for p in _grid(1, nt, 16):
                             on_host = frozenset(trainable[nt - p:]) | frozen
-                            sim_p, cpu_end_p = simulated(R, d, on_host)
-                            out.append(_candidate(ctx, R, d, nt, p, nf, sim_p, cpu_end_p[nt]))
+                            sim_p, sides_p = simulated(R, d, on_host)
+                            out.append(_candidate(ctx, R, d, nt, p, nf, sim_p, sides_p[nt]))
         return chunks, out
 
     # each chunk size is searched on its own: with workers, in forked processes side by side
@@ -255,7 +256,7 @@ class _Context:
 
 
 def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.SimResult,
-               cpu_end: float) -> Candidate:
+               host: host_steps.HostSide) -> Candidate:
     """Candidate ``k`` optimizer-offloaded, ``p`` parameter-offloaded trainable chunks and
     ``f`` offloaded frozen chunks (the tails of each kind) with one simulated step."""
     hw, n, cb, W = x.hw, x.n, x.cb, x.W
@@ -283,9 +284,9 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.Si
     else:
         dev_opt = (trained - off) / hw.device_adam_throughput
         device_end = sim.backward_end + dev_opt
-        step = max(device_end, cpu_end)
+        exposed_cpu = host.exposed(device_end)  # the next forward's wait for host updates
+        step = device_end + exposed_cpu
         cpu_time = off / (hw.cpu_adam_throughput / max(1, min(W, hw.gpus_per_node)))
-        exposed_cpu = max(0.0, cpu_end - device_end)
     # offloaded chunks: gradient shard down, updated parameters up (skipped when they stay on
     # CPU), offloaded shards (frozen ones too) up for each gather; a CPU device has no second
     # memory to copy to (as traffic.step_traffic counts)
@@ -309,7 +310,7 @@ def _candidate(x: _Context, R: int, d: int, k: int, p: int, f: int, sim: cost.Si
             "exposed_cpu": exposed_cpu,
             "step": step,
         },
-        gathers=sim.gathers, host_end=cpu_end if hw.device_type != "cpu" else step,
+        gathers=sim.gathers, host_ready=host.ready if hw.device_type != "cpu" else step,
     )
 
 

@@ -1,0 +1,91 @@
+"""The host's share of a GPU step: offloaded chunks' gradients down, their updates on the
+host behind the next forward, the updated shards up.
+
+The runtime (``runtime/host_update.py``) starts the host updates when ``step()`` has the
+global gradient norm, so after backward and after every offloaded gradient came down (global
+clipping and fp16's inf check read them all). It updates the chunks one at a time in the
+order the next forward first needs them, on a thread of its own, while ``step()`` returns
+after the device's updates and the next forward starts. A chunk's first use in that forward
+waits for its own update and upload only. Offloaded chunks are the tail of the packing
+order, the last the forward reaches, so the forward of the leading chunks hides the updates
+of the trailing ones, and the step is longer only by what the forward waits.
+
+That is what is priced here, for every count ``k`` of offloaded chunks at once: when the
+forward would first read each chunk (``forward_reach``: the compute before it, stalls left
+out, so the wait is if anything overestimated), and when each offloaded chunk's update and
+upload end. Prefix sums make all counts one pass: each larger ``k`` puts one more chunk at
+the head of the update order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from hf_elixir.hardware import HardwareProfile
+from hf_elixir.planner.cost import Access
+
+
+@dataclass(frozen=True)
+class HostSide:
+    """The host side of a step with ``k`` chunks' optimizer offloaded (seconds from the step's
+    start): ``end`` when the last update and upload end; ``ready`` the latest start of the
+    next forward that no offloaded chunk would make wait (the most any chunk's update and
+    upload end after the forward's first read of it); ``-inf`` with nothing offloaded."""
+
+    end: float
+    ready: float
+
+    def exposed(self, device_end: float) -> float:
+        """What the next forward waits for the host when it starts at ``device_end``."""
+        return max(0.0, self.ready - device_end)
+
+
+def forward_reach(seq: Sequence[Access], n_chunks: int) -> list[float]:
+    """Per chunk: the compute seconds of the forward before its first forward access (the
+    whole forward's for a chunk the forward never reads: backward reads it later still)."""
+    reach = [math.nan] * n_chunks
+    t = 0.0
+    for access in seq:
+        if access.phase != "forward":
+            continue
+        for c in access.chunks:
+            if math.isnan(reach[c]):
+                reach[c] = t
+        t += access.seconds
+    return [t if math.isnan(r) else r for r in reach]
+
+
+def host_sides(rs_done: Sequence[float], backward_end: float, reach: Sequence[float], elems: Sequence[int],
+               world_size: int, compute_bytes: int, hw: HardwareProfile, ranks_per_node: int,
+               chunks: Sequence[int] | None = None) -> list[HostSide]:
+    """The host side with the last ``k`` chunks of ``chunks`` offloaded (the trainable ones in
+    packing order; default all), for k = 0..len(chunks).
+
+    Gradients come down in backward's order (the tail first: reduced first, their copies
+    overlap the rest of backward). The updates start when backward and the last download
+    have ended, then run one after another in forward order at the host's AdamW rate (shared
+    by the node's ranks); each is followed by the upload of its compute-dtype shard."""
+    order = list(range(len(rs_done)) if chunks is None else chunks)
+    rate = hw.cpu_adam_throughput / max(1, ranks_per_node)
+    shard = [elems[j] / world_size for j in order]
+    update = [s / rate for s in shard]
+    upload = [s * compute_bytes / hw.h2d_bandwidth for s in shard]
+    # before[i]: the update seconds of order[:i]; chunk i's update and upload then end at
+    # start + before[i + 1] - before[a] + upload[i] when the updates begin at order[a]
+    before = [0.0]
+    for u in update:
+        before.append(before[-1] + u)
+    n = len(order)
+    sides = [HostSide(0.0, -math.inf)]
+    link = 0.0
+    latest_end = latest_ready = -math.inf
+    for i in reversed(range(n)):  # k = n - i chunks offloaded: order[i:]
+        j = order[i]
+        link = max(link, rs_done[j]) + shard[i] * compute_bytes / hw.d2h_bandwidth
+        latest_end = max(latest_end, before[i + 1] + upload[i])
+        latest_ready = max(latest_ready, before[i + 1] + upload[i] - reach[j])
+        start = max(backward_end, link) - before[i]
+        sides.append(HostSide(start + latest_end, start + latest_ready))
+    return sides
