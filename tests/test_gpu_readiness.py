@@ -169,12 +169,13 @@ class _FakeStream:
 
     def __init__(self) -> None:
         self.synchronized = 0
+        self.waits_for_streams = 0
 
     def synchronize(self) -> None:
         self.synchronized += 1
 
     def wait_stream(self, other) -> None:
-        pass
+        self.waits_for_streams += 1
 
     def wait_event(self, event) -> None:
         pass
@@ -185,18 +186,19 @@ class _FakeStream:
         return event
 
 
-def _use_stand_in_streams() -> _FakeStream:
+def _use_stand_in_streams() -> tuple[_FakeStream, _FakeStream]:
     """In a worker process: the CUDA stream API becomes stand-ins, and wrapped models get a
-    copy stream and the host buffers a CUDA device would (plain host tensors here)."""
+    copy stream, a download stream and the host buffers a CUDA device would (plain host
+    tensors here). Returns the compute stream (also the copy stream) and the download stream."""
     import contextlib
 
-    stream = _FakeStream()
+    stream, downloads = _FakeStream(), _FakeStream()
     torch.cuda.current_stream = lambda device=None: stream
     torch.cuda.stream = lambda s: contextlib.nullcontext()
     torch.cuda.Event = _FakeEvent
 
     def host_buffers(self, layout):
-        self.copy_stream = stream
+        self.copy_stream, self.download_stream = stream, downloads
         W = self.comm.world_size
 
         def pool(kind: str) -> dict:
@@ -206,25 +208,28 @@ def _use_stand_in_streams() -> _FakeStream:
         return pool("param_placement"), pool("optim_placement")
 
     module_mod.ElixirModule._host_buffers = host_buffers
-    return stream
+    return stream, downloads
 
 
 def _staged_offload(rank: int, world_size: int) -> dict:
     """The path a CUDA device takes for chunks whose optimizer runs on the host, with the
-    CUDA stream API replaced by stand-ins: reduced shards go down into staging buffers, the
-    host waits once per backward and adds them in; updated shards are cast into the staging
-    buffer and go up on the copy stream, chunk by chunk."""
+    CUDA stream API replaced by stand-ins: reduced shards go down into staging buffers on the
+    download stream (after the kernels queued before it), the host waits for that stream once
+    per backward and adds them in, never for the compute stream; updated shards are cast into
+    the staging buffer and go up on the copy stream, chunk by chunk."""
     os.environ[comm_mod.COLLECTIVES_ENV] = "tensor"  # NCCL's reduce-scatter into a device scratch
     # bf16: on the CPU an fp32 master would be the shard itself (nothing to upload)
     plan = dict(case_plans("llama")["c_half_optim_cpu"], compute_dtype="bf16")
     plain = elixir_run(rank, world_size, "llama", plan)
     plain_late = elixir_run(rank, world_size, "llama", plan, on_wrap="late_on_rank_0")
-    stream = _use_stand_in_streams()
+    stream, downloads = _use_stand_in_streams()
     got = elixir_run(rank, world_size, "llama", plan)
-    waits, uploads = stream.synchronized, _FakeEvent.recorded
+    waits, uploads, compute_waits = downloads.synchronized, _FakeEvent.recorded, stream.synchronized
+    ordered = downloads.waits_for_streams
     # a late (staged) chunk comes down a second time: its first download is added in first
     late = elixir_run(rank, world_size, "llama", plan, on_wrap="late_on_rank_0")
     return {"run": got, "plain": plain, "late": late, "plain_late": plain_late, "waits": waits, "uploads": uploads,
+            "compute_waits": compute_waits, "ordered_downloads": ordered,
             "staged": sum(c.optim_placement == "cpu" for c in hfe.ElixirPlan.simple(
                 make_model("llama"), world_size, **plan).chunks)}
 
@@ -235,6 +240,9 @@ def test_offloaded_state_goes_through_staging_with_one_wait_per_backward() -> No
     got = run_distributed(_staged_offload, 2)[0]
     assert got["staged"] > 1
     assert got["waits"] == ACCUM * STEPS, "one host wait per backward, not one per chunk"
+    assert got["compute_waits"] == 0, "the host waits for the downloads, not for backward's kernels"
+    # each download waits on the device for the kernels queued before it, once per chunk
+    assert got["ordered_downloads"] == ACCUM * STEPS * got["staged"]
     # per step: the readers' event, then one upload per staged chunk
     assert got["uploads"] == STEPS * (1 + got["staged"])
     # the same arithmetic as the direct path, in the same order: bit for bit

@@ -101,10 +101,12 @@ class Chunk:
     grad_buffer: Optional[torch.Tensor] = field(default=None, repr=False)
     grads_received: set = field(default_factory=set, repr=False)
     reduced: bool = False
-    # CUDA only (None on CPU): the side stream for uploads, the pinned compute-dtype buffer
-    # through which a host-updated shard goes up and its reduced gradient comes down, and the
-    # events of the latest upload (device shard or block written) and host read
+    # CUDA only (None on CPU): the side streams for uploads and for gradient downloads, the
+    # pinned compute-dtype buffer through which a host-updated shard goes up and its reduced
+    # gradient comes down, and the events of the latest upload (device shard or block
+    # written) and host read
     copy_stream: Optional[torch.cuda.Stream] = field(default=None, repr=False)
+    download_stream: Optional[torch.cuda.Stream] = field(default=None, repr=False)
     staging: Optional[torch.Tensor] = field(default=None, repr=False)
     upload_event: Optional[torch.cuda.Event] = field(default=None, repr=False)
     host_read_event: Optional[torch.cuda.Event] = field(default=None, repr=False)

@@ -109,8 +109,12 @@ class ElixirModule(nn.Module):
             keep_freed_host_memory()
             warn_if_heap_fragments(self.comm.world_size)
             self.heap_guard = HeapGuard()
-        # uploads of offloaded shards overlap compute on their own stream
-        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # uploads of offloaded shards overlap compute on their own stream, and the downloads
+        # of reduced gradients on another (uploads go on during backward when parameters are
+        # offloaded: one stream would queue each behind the other)
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.download_stream = torch.cuda.Stream(self.device) if cuda else None
         self.ledger = MemoryLedger()
         self.dtype = plan.dtype
         #: chunks whose master and optimizer state live in files (runtime/disk_tier.py)
@@ -269,7 +273,8 @@ class ElixirModule(nn.Module):
                 shard=shard, master=master,
                 grad_shard=torch.zeros(grad_size, dtype=torch.float32, device="meta" if on_disk else optim_dev),
                 full=shard if in_place else torch.empty(size, dtype=self.dtype, device=self.device),
-                copy_stream=self.copy_stream, staging=None if cplan.frozen else staging.get(cid),
+                copy_stream=self.copy_stream, download_stream=self.download_stream,
+                staging=None if cplan.frozen else staging.get(cid),
                 frozen=cplan.frozen, disk=on_disk,
             )
             if not in_place:

@@ -248,12 +248,20 @@ class GradReducer:
             self._complete(self.pending.popleft())
 
     def _download(self, chunk: Chunk, reduced: torch.Tensor) -> None:
-        """Start the device-to-host copy of a reduced shard into the pinned staging buffer."""
+        """Start the device-to-host copy of a reduced shard into the pinned staging buffer, on
+        the download stream: the rest of backward's kernels do not queue behind it, as the
+        cost model assumes (its downloads overlap backward)."""
         if chunk in self.downloads:  # its last download is not added in yet (a late chunk)
             self._drain_downloads()
-        chunk.wait_upload()  # the staging buffer may still be feeding the last upload
+        stream = chunk.download_stream
+        stream.wait_stream(torch.cuda.current_stream(chunk.device))  # queued kernels write ``reduced``
+        if chunk.upload_event is not None:  # the staging buffer may still be feeding the last upload
+            stream.wait_event(chunk.upload_event)
         self.comm.counter.add("device_to_host", reduced.numel() * reduced.element_size())
-        chunk.staging.copy_(reduced, non_blocking=True)
+        with torch.cuda.stream(stream):
+            chunk.staging.copy_(reduced, non_blocking=True)
+        if reduced.is_cuda:  # its memory goes back to the allocator: not reused before the copy read it
+            reduced.record_stream(stream)
         self.downloads.append(chunk)
 
     def _drain_downloads(self) -> None:
@@ -262,7 +270,7 @@ class GradReducer:
             return
         clock = self.clock
         start = clock.now()
-        torch.cuda.current_stream(self.downloads[0].device).synchronize()
+        self.downloads[0].download_stream.synchronize()  # one stream for every chunk of the module
         clock.host_phase("pcie", start)
         start = clock.now()
         for chunk in self.downloads:
