@@ -12,7 +12,7 @@ import pytest
 import hf_elixir as hfe
 from hf_elixir.hardware import HardwareProfile
 from hf_elixir.planner.cost import Access
-from hf_elixir.planner.host_steps import HostSide, forward_reach, host_sides
+from hf_elixir.planner.host_steps import HostSide, forward_reach, host_sides, pre_share
 from hf_elixir.profile.configs import known_config
 
 
@@ -25,9 +25,10 @@ def test_the_forward_reaches_each_chunk_after_the_compute_before_its_first_read(
 
 
 def _by_hand(rs_done, backward_end, reach, elems, W, cb, hw, ranks, chunks, k) -> HostSide:
-    """One count ``k`` event by event: the tail's gradients down in backward order, then its
-    updates in forward order from when backward and every download ended, each followed by
-    its upload; the next forward may start no later than any chunk's end less its reach."""
+    """One count ``k`` event by event: the tail's gradients down in backward order; when
+    backward and every download ended, every chunk's gradient taken in and normed, then
+    the updates in forward order, each followed by its upload; the next forward may start
+    no later than any chunk's end less its reach."""
     if k == 0:
         return HostSide(0.0, -math.inf)
     tail = list(chunks)[len(chunks) - k:]
@@ -35,9 +36,12 @@ def _by_hand(rs_done, backward_end, reach, elems, W, cb, hw, ranks, chunks, k) -
     for j in reversed(tail):
         link = max(link, rs_done[j]) + elems[j] / W * cb / hw.d2h_bandwidth
     t = max(backward_end, link)
+    seconds = {j: elems[j] / W / (hw.cpu_adam_throughput / ranks) for j in tail}
+    for j in tail:  # the gradients in and the norm, on the main thread
+        t += pre_share(cb) * seconds[j]
     end, ready = -math.inf, -math.inf
     for j in tail:
-        t += elems[j] / W / (hw.cpu_adam_throughput / ranks)
+        t += (1 - pre_share(cb)) * seconds[j]
         done = t + elems[j] / W * cb / hw.h2d_bandwidth
         end, ready = max(end, done), max(ready, done - reach[j])
     return HostSide(end, ready)
@@ -61,6 +65,12 @@ def test_every_count_at_once_equals_each_count_by_hand(seed: int) -> None:
         want = _by_hand(rs_done, backward_end, reach, elems, W, cb, hw, ranks, chunks, k)
         assert side.end == pytest.approx(want.end, rel=1e-12, abs=1e-15), k
         assert side.ready == pytest.approx(want.ready, rel=1e-12, abs=1e-15), k
+
+
+def test_the_host_time_before_the_first_update_follows_the_bytes_moved() -> None:
+    # bf16: the download read (2) and the fp32 gradient written (4), the norm's read (4),
+    # against the update's 28 and its bf16 copy (2); fp32: no copy, a 4-byte download
+    assert pre_share(2) == pytest.approx(10 / 40) and pre_share(4) == pytest.approx(12 / 40)
 
 
 def test_the_forward_waits_only_where_it_outruns_the_host() -> None:

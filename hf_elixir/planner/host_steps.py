@@ -13,8 +13,11 @@ of the trailing ones, and the step is longer only by what the forward waits.
 That is what is priced here, for every count ``k`` of offloaded chunks at once: when the
 forward would first read each chunk (``forward_reach``: the compute before it, stalls left
 out, so the wait is if anything overestimated), and when each offloaded chunk's update and
-upload end. Prefix sums make all counts one pass: each larger ``k`` puts one more chunk at
-the head of the update order.
+upload end. The host's calibrated rate (``cpu_adam_throughput``, ``measure/host_rate.py``)
+covers all it does for an element; part of that, the downloaded gradient's copy into the
+fp32 shard and the clipping norm's read, the main thread does for every chunk before the
+first update starts (``pre_share``, by the bytes each part moves). Prefix sums make all
+counts one pass: each larger ``k`` puts one more chunk at the head of the update order.
 """
 
 from __future__ import annotations
@@ -42,6 +45,16 @@ class HostSide:
         return max(0.0, self.ready - device_end)
 
 
+def pre_share(compute_bytes: int) -> float:
+    """The share of the host's time for an offloaded element spent before any update: the
+    download read and the fp32 gradient written (``compute_bytes + 4``) and the norm's read
+    (4), against the update's 28 bytes (fp32 master, gradient, two moments read; three
+    written) and a compute-dtype copy written where it is narrower than fp32."""
+    before = compute_bytes + 4 + 4
+    update = 28 + (compute_bytes if compute_bytes < 4 else 0)
+    return before / (before + update)
+
+
 def forward_reach(seq: Sequence[Access], n_chunks: int) -> list[float]:
     """Per chunk: the compute seconds of the forward before its first forward access (the
     whole forward's for a chunk the forward never reads: backward reads it later still)."""
@@ -64,19 +77,22 @@ def host_sides(rs_done: Sequence[float], backward_end: float, reach: Sequence[fl
     packing order; default all), for k = 0..len(chunks).
 
     Gradients come down in backward's order (the tail first: reduced first, their copies
-    overlap the rest of backward). The updates start when backward and the last download
-    have ended, then run one after another in forward order at the host's AdamW rate (shared
-    by the node's ranks); each is followed by the upload of its compute-dtype shard."""
+    overlap the rest of backward). When backward and the last download have ended, the host
+    takes every chunk's gradient in and reads it for the norm, then updates the chunks one
+    after another in forward order, all at the host's rate (shared by the node's ranks);
+    each update is followed by the upload of its compute-dtype shard."""
     order = list(range(len(rs_done)) if chunks is None else chunks)
     rate = hw.cpu_adam_throughput / max(1, ranks_per_node)
+    pre = pre_share(compute_bytes)
     shard = [elems[j] / world_size for j in order]
-    update = [s / rate for s in shard]
+    host = [s / rate for s in shard]
     upload = [s * compute_bytes / hw.h2d_bandwidth for s in shard]
-    # before[i]: the update seconds of order[:i]; chunk i's update and upload then end at
-    # start + before[i + 1] - before[a] + upload[i] when the updates begin at order[a]
+    # before[i]: the host seconds of order[:i]. With order[a:] offloaded, the updates start
+    # after pre * (before[n] - before[a]), and chunk i's update and upload end
+    # (1 - pre) * (before[i + 1] - before[a]) + upload[i] later
     before = [0.0]
-    for u in update:
-        before.append(before[-1] + u)
+    for t in host:
+        before.append(before[-1] + t)
     n = len(order)
     sides = [HostSide(0.0, -math.inf)]
     link = 0.0
@@ -84,8 +100,9 @@ def host_sides(rs_done: Sequence[float], backward_end: float, reach: Sequence[fl
     for i in reversed(range(n)):  # k = n - i chunks offloaded: order[i:]
         j = order[i]
         link = max(link, rs_done[j]) + shard[i] * compute_bytes / hw.d2h_bandwidth
-        latest_end = max(latest_end, before[i + 1] + upload[i])
-        latest_ready = max(latest_ready, before[i + 1] + upload[i] - reach[j])
-        start = max(backward_end, link) - before[i]
+        done = (1 - pre) * before[i + 1] + upload[i]
+        latest_end = max(latest_end, done)
+        latest_ready = max(latest_ready, done - reach[j])
+        start = max(backward_end, link) + pre * (before[n] - before[i]) - (1 - pre) * before[i]
         sides.append(HostSide(start + latest_end, start + latest_ready))
     return sides
