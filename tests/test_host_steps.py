@@ -30,7 +30,7 @@ def _by_hand(rs_done, backward_end, reach, elems, W, cb, hw, ranks, chunks, k) -
     the updates in forward order, each followed by its upload; the next forward may start
     no later than any chunk's end less its reach."""
     if k == 0:
-        return HostSide(0.0, -math.inf)
+        return HostSide(-math.inf)
     tail = list(chunks)[len(chunks) - k:]
     link = 0.0
     for j in reversed(tail):
@@ -39,12 +39,12 @@ def _by_hand(rs_done, backward_end, reach, elems, W, cb, hw, ranks, chunks, k) -
     seconds = {j: elems[j] / W / (hw.cpu_adam_throughput / ranks) for j in tail}
     for j in tail:  # the gradients in and the norm, on the main thread
         t += pre_share(cb) * seconds[j]
-    end, ready = -math.inf, -math.inf
+    ready = -math.inf
     for j in tail:
         t += (1 - pre_share(cb)) * seconds[j]
         done = t + elems[j] / W * cb / hw.h2d_bandwidth
-        end, ready = max(end, done), max(ready, done - reach[j])
-    return HostSide(end, ready)
+        ready = max(ready, done - reach[j])
+    return HostSide(ready)
 
 
 @pytest.mark.parametrize("seed", range(8))
@@ -63,7 +63,6 @@ def test_every_count_at_once_equals_each_count_by_hand(seed: int) -> None:
     assert len(got) == len(chunks) + 1
     for k, side in enumerate(got):
         want = _by_hand(rs_done, backward_end, reach, elems, W, cb, hw, ranks, chunks, k)
-        assert side.end == pytest.approx(want.end, rel=1e-12, abs=1e-15), k
         assert side.ready == pytest.approx(want.ready, rel=1e-12, abs=1e-15), k
 
 
@@ -74,9 +73,9 @@ def test_the_host_time_before_the_first_update_follows_the_bytes_moved() -> None
 
 
 def test_the_forward_waits_only_where_it_outruns_the_host() -> None:
-    side = HostSide(end=5.0, ready=3.0)
+    side = HostSide(ready=3.0)
     assert side.exposed(2.0) == 1.0 and side.exposed(3.5) == 0.0
-    assert HostSide(0.0, -math.inf).exposed(0.0) == 0.0
+    assert HostSide(-math.inf).exposed(0.0) == 0.0
 
 
 def test_a_plan_that_offloads_hides_host_updates_behind_the_next_forward() -> None:

@@ -32,12 +32,11 @@ from hf_elixir.planner.cost import Access
 
 @dataclass(frozen=True)
 class HostSide:
-    """The host side of a step with ``k`` chunks' optimizer offloaded (seconds from the step's
-    start): ``end`` when the last update and upload end; ``ready`` the latest start of the
-    next forward that no offloaded chunk would make wait (the most any chunk's update and
-    upload end after the forward's first read of it); ``-inf`` with nothing offloaded."""
+    """The host side of a step with ``k`` chunks' optimizer offloaded: ``ready``, in seconds
+    from the step's start, the latest start of the next forward that no offloaded chunk
+    would make wait (the most any chunk's update and upload end after the forward's first
+    read of it); ``-inf`` with nothing offloaded."""
 
-    end: float
     ready: float
 
     def exposed(self, device_end: float) -> float:
@@ -88,21 +87,19 @@ def host_sides(rs_done: Sequence[float], backward_end: float, reach: Sequence[fl
     host = [s / rate for s in shard]
     upload = [s * compute_bytes / hw.h2d_bandwidth for s in shard]
     # before[i]: the host seconds of order[:i]. With order[a:] offloaded, the updates start
-    # after pre * (before[n] - before[a]), and chunk i's update and upload end
-    # (1 - pre) * (before[i + 1] - before[a]) + upload[i] later
+    # pre * (before[n] - before[a]) after backward and the last download, and chunk i's
+    # update and upload end (1 - pre) * (before[i + 1] - before[a]) + upload[i] after that
     before = [0.0]
     for t in host:
         before.append(before[-1] + t)
     n = len(order)
-    sides = [HostSide(0.0, -math.inf)]
+    sides = [HostSide(-math.inf)]
     link = 0.0
-    latest_end = latest_ready = -math.inf
+    latest = -math.inf
     for i in reversed(range(n)):  # k = n - i chunks offloaded: order[i:]
         j = order[i]
         link = max(link, rs_done[j]) + shard[i] * compute_bytes / hw.d2h_bandwidth
-        done = (1 - pre) * before[i + 1] + upload[i]
-        latest_end = max(latest_end, done)
-        latest_ready = max(latest_ready, done - reach[j])
+        latest = max(latest, (1 - pre) * before[i + 1] + upload[i] - reach[j])
         start = max(backward_end, link) + pre * (before[n] - before[i]) - (1 - pre) * before[i]
-        sides.append(HostSide(start + latest_end, start + latest_ready))
+        sides.append(HostSide(start + latest))
     return sides
