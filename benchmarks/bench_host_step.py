@@ -38,7 +38,7 @@ from typing import Callable
 
 import torch
 
-from hf_elixir.measure.host_rate import host_update_rate
+from hf_elixir.measure.host_rate import ARMS as STEPS, host_update_rate
 from hf_elixir.runtime.threads import usable_cores, using_threads
 from hf_elixir.runtime.widen import add_widened
 from bench_host_optimizer import machine, write_results  # the script's folder is on sys.path
@@ -52,7 +52,6 @@ def torch_mixed(target: torch.Tensor, source: torch.Tensor) -> None:
 
 
 ADDS: dict[str, Callable[[torch.Tensor, torch.Tensor], None]] = {"torch_mixed": torch_mixed, "hf_elixir": add_widened}
-STEPS = ("plain", "clip_pass", "torch_kernel", "hf_elixir")  # host_rate.ARMS, in the order timed
 
 
 def time_add(add: Callable[[torch.Tensor, torch.Tensor], None], target: torch.Tensor, source: torch.Tensor) -> float:

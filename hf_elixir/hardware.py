@@ -405,22 +405,18 @@ _PRESET_ALIASES = {
 }
 
 
-#: a CUDA device name's word for each preset it may be read as (see ``_match_preset``)
-_DEVICE_WORDS = {"h200": "h200", "h100": "h100-80g", "a100": "a100-40g", "v100": "v100-32g",
-                 "4090": "rtx4090", "3090": "rtx3090", "l4": "l4", "t4": "t4"}
-
-
 def _match_preset(device_name: str) -> HardwareProfile:
     """The preset of a CUDA device name (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB").
 
-    Whole words only: an "NVIDIA L40S" is not an L4, nor a "GH200" an H200. A name with no
-    preset's word gets the a100-40g figures marked as estimates, for a calibration to replace."""
+    A word of the name that is a GPU preset's name or alias ("h100", "4090") picks it; whole
+    words only: an "NVIDIA L40S" is not an L4, nor a "GH200" an H200. A name with no such word
+    gets the a100-40g figures marked as estimates, for a calibration to replace."""
     words = "".join(c if c.isalnum() else " " for c in device_name.lower()).split()
     for word in words:
-        key = _DEVICE_WORDS.get(word)
+        key = _PRESET_ALIASES.get(word, word)
         if key == "a100-40g" and "80gb" in words:
             key = "a100-80g"
-        if key is not None:
+        if key in PRESETS and key != "cpu":
             return HardwareProfile.preset(key)
     prof = HardwareProfile.preset("a100-40g")
     prof.sources = {k: ESTIMATE for k in prof.sources}

@@ -16,8 +16,9 @@ from hf_elixir.runtime.threads import using_threads
 from hf_elixir.runtime.update import apply_update
 
 
-#: the ways ``host_update_rate`` can take the step (``benchmarks/bench_host_step.py``'s arms)
-ARMS = ("hf_elixir", "clip_pass", "torch_kernel", "plain")
+#: the ways ``host_update_rate`` can take the step, slowest first (``benchmarks/bench_host_step.py``
+#: times them in this order)
+ARMS = ("plain", "clip_pass", "torch_kernel", "hf_elixir")
 
 
 def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torch.bfloat16,
