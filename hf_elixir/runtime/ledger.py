@@ -2,7 +2,8 @@
 
 Tests and the planner compare these figures with the plan's predictions, so they count
 exactly the tensors the runtime allocates (not allocator caches or RSS, which hide
-sharding savings behind reuse).
+sharding savings behind reuse). Where a category and the planner's memory model
+(``planner/memory_model.py``) share a name, they mean the same bytes.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ CATEGORIES = (
     "rcache",            # gathered chunks (at most rcache_blocks of them)
     "grad_buffers",      # full-chunk gradients waiting to be reduce-scattered
     "grad_shards",       # fp32 gradient shards on the device
-    "optimizer_state",   # fp32 master shards (when not aliased) and optimizer moments on the device
+    "master_weights",    # fp32 master shards on the device (none where the master is the shard)
+    "optimizer_state",   # optimizer moments on the device
     "temporary",         # short-lived gathers for state_dict and similar
 )
 

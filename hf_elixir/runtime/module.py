@@ -287,7 +287,7 @@ class ElixirModule(nn.Module):
             if cplan.optim_placement == "device" and not cplan.frozen:
                 self.ledger.add("grad_shards", shard_size * 4)
                 if not chunk.master_aliased:
-                    self.ledger.add("optimizer_state", shard_size * 4)
+                    self.ledger.add("master_weights", shard_size * 4)
             chunks.append(chunk)
             del flat
         return chunks, slots

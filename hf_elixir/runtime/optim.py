@@ -153,9 +153,6 @@ class ElixirOptimizer(Optimizer):
             self.module.ledger.add("optimizer_state", t.numel() * 4)
         return t
 
-    def device_state_bytes(self) -> int:
-        return self.module.ledger.current["optimizer_state"]
-
     # ------------------------------------------------------------------ backward helpers
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward()``, scaled by the loss scale under fp16. Skipped when the step
