@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import TrainingArguments
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
@@ -76,6 +77,12 @@ TRAINER_RECIPE = {
     "save_strategy": "steps", "save_steps": "3", "logging_steps": "1", "report_to": "none", "seed": "0",
     "optim": "adamw_torch", "disable_tqdm": "true",
 }
+
+
+#: the Trainer's flag for the model's own activation checkpointing: ``--activation_checkpointing``
+#: from Transformers 5.2x on, ``--gradient_checkpointing`` before (later a deprecated alias)
+CHECKPOINTING_FLAG = ("--activation_checkpointing" if "activation_checkpointing" in TrainingArguments.__dataclass_fields__
+                      else "--gradient_checkpointing")
 
 
 def trainer_args(**changes: str) -> list[str]:

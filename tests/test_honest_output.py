@@ -14,7 +14,7 @@ from hf_elixir.integrations.planning import make_plan
 from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
 from hf_elixir.planner.record import ElixirPlan
 from hf_elixir.planner.search import plan
-from hf_elixir.profile.profiler import model_checkpoints
+from hf_elixir.profile.profiler import enable_checkpointing, model_checkpoints
 from hf_elixir.runtime import ElixirModule, ElixirOptimizer
 
 
@@ -41,7 +41,7 @@ def test_the_plan_follows_the_models_own_checkpointing() -> None:
     plain = plan(model, (2, 16), hardware="cpu", world_size=2, efficiency="calibrated", memory_budget="64GiB")
     assert not plain.predictions["model_checkpointing"]
     assert "the model's own" not in plain.summary()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     assert model_checkpoints(model)
     own = plan(model, (2, 16), hardware="cpu", world_size=2, efficiency="calibrated", memory_budget="64GiB")
     # a roomy budget: without the model's setting the search would not checkpoint
@@ -54,7 +54,7 @@ def test_the_plan_follows_the_models_own_checkpointing() -> None:
 
 def test_pinned_plans_and_the_off_option_respect_the_models_checkpointing() -> None:
     model = tiny_gpt2()
-    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    enable_checkpointing(model)
     pinned = make_plan(model, ElixirPlugin(rcache_blocks=4), world_size=1, dtype="fp32", optimizer="adamw",
                        batch_shape=(2, 16))
     assert pinned.activation_checkpointing and "checkpointing True" in pinned.summary()
@@ -68,8 +68,7 @@ def test_the_runtime_keeps_the_users_checkpointing_setting() -> None:
     with its own arguments (every block), and the model still trains like plain PyTorch."""
     ref, model = tiny_gpt2(), tiny_gpt2()
     for m in (ref, model):
-        m.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False},
-                                          every_n_layers=2)
+        enable_checkpointing(m, every_n_layers=2)
     assert [b.gradient_checkpointing for b in model.transformer.h] == [True, False]
     emodel = ElixirModule(model, ElixirPlan.simple(model, world_size=1, activation_checkpointing=True),
                           device="cpu")

@@ -29,7 +29,7 @@ from hf_elixir.runtime.faults import INJECT_ENV, FaultSpecError, parse_faults
 from hf_elixir.runtime.recovery import RecoveryFailed, link_loss, model_loss, origin_of
 from hf_elixir.checkpoint import save as save_checkpoint
 from hf_elixir.vocab import format_bytes
-from integration_helpers import CALIBRATION, SCRIPTS, check, hf_elixir, max_diff, trainer_args, worker_env
+from integration_helpers import CALIBRATION, CHECKPOINTING_FLAG, SCRIPTS, check, hf_elixir, max_diff, trainer_args, worker_env
 from loops import elixir_steps
 
 STEPS = 7
@@ -269,7 +269,7 @@ def test_recovery_halves_the_micro_batch_and_keeps_the_global_batch(small_batch_
     each batch of 2 as 2 micro-batches of 1. With ``auto_find_batch_size`` on, the run keeps
     its 6 steps and LR schedule, and its logged losses, norms, evals and weights are those of
     the run started with batch 1 and accumulation 4."""
-    hurt, proc = _trainer_run(tmp_path, "hurt", _config(tmp_path), *trainer_args(), "--activation_checkpointing",
+    hurt, proc = _trainer_run(tmp_path, "hurt", _config(tmp_path), *trainer_args(), CHECKPOINTING_FLAG,
                               "true", "--auto_find_batch_size", "true", inject="2:backward:1")
     assert "recovered with a new plan (micro-batch split 1 -> 2 (the same global batch)" in proc.stderr
     _assert_same_training(hurt, small_batch_run, rel=1e-5, weights=1e-5)

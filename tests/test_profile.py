@@ -161,11 +161,13 @@ def test_meta_copy_of_real_model_shares_no_memory():
 
 @pytest.mark.parametrize("mode", ["train", "eval"])
 def test_profiles_a_model_loaded_with_hub_kernels_on(tmp_path, mode):
-    """Transformers 5's ``from_pretrained`` turns hub kernels on when the ``kernels`` package is
-    installed, and such a model's ``train()`` re-kernelizes it, which a meta copy cannot
-    ("Unsupported device type 'meta'"). The profile sets the training flags itself."""
+    """A model loaded with hub kernels on (``use_kernels=True``; from Transformers 5.2x on,
+    ``from_pretrained``'s default wherever the ``kernels`` package is installed) re-kernelizes
+    itself in ``train()``, which a meta copy cannot ("Unsupported device type 'meta'"). The
+    profile sets the training flags itself. Asked for explicitly, so that the case is the same
+    under every Transformers 5 (5.17 needs ``kernels`` 0.16 for it)."""
     AutoModelForCausalLM.from_config(CONFIGS["llama-tiny"]()).save_pretrained(tmp_path)
-    model = AutoModelForCausalLM.from_pretrained(tmp_path)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, use_kernels=True)
     assert getattr(model, "use_kernels", False), "the case this test is about: hub kernels on"
     getattr(model, mode)()
     meta = build_meta_model(model)

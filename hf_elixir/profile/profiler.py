@@ -204,13 +204,16 @@ def model_checkpoints(model: nn.Module) -> bool:
     return False
 
 
-def enable_checkpointing(model: nn.Module) -> None:
-    """Turn on the model's own (non-reentrant) activation checkpointing."""
+def enable_checkpointing(model: nn.Module, **options: Any) -> None:
+    """Turn on the model's own (non-reentrant) activation checkpointing, under whichever name
+    the installed Transformers gives it: ``activation_checkpointing_enable`` from about 5.2x
+    on, ``gradient_checkpointing_enable`` before (later a deprecated alias). ``options``
+    (``every_n_layers``, ...) go to that method as they are."""
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs, **options)
     else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs, **options)
 
 
 def disable_checkpointing(model: nn.Module) -> None:
