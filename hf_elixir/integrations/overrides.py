@@ -8,7 +8,8 @@ installed release no longer has one of them, which is the moment to re-read that
 
 from __future__ import annotations
 
-CHECKED_AGAINST = {"accelerate": "1.15.0", "transformers": "5.24.0"}
+#: the oldest and newest releases the whole suite passed on (docs/design.md, supported versions)
+CHECKED_AGAINST = {"accelerate": ("1.15.0", "1.16.0"), "transformers": ("5.17.0", "5.25.0")}
 
 # (class path, method or attribute, why hf_elixir overrides or uses it)
 OVERRIDDEN: list[tuple[str, str, str]] = [
