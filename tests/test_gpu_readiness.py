@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import collections
 import configparser
-import functools
 import os
 import re
 import warnings
@@ -25,7 +24,7 @@ import hf_elixir as hfe
 from equivalence import assert_matches, elixir_run, reference_run
 from harness import run_distributed
 from hf_elixir.runtime import comm as comm_mod
-from hf_elixir.runtime import devices
+from hf_elixir.runtime import devices, grad_shards
 from hf_elixir.runtime import module as module_mod
 from loops import elixir_steps, lm_loss
 from test_equivalence import case_plans
@@ -451,6 +450,21 @@ def test_clipping_and_overflow_checks_read_the_host_once_per_device(monkeypatch,
     assert reads.count <= 2  # the per-device flag, then the agreed flag
 
 
+@pytest.mark.parametrize("norm_type", [2.0, float("inf")])
+def test_with_every_shard_on_one_device_clipping_never_reads_the_host(monkeypatch, norm_type) -> None:
+    """Nothing offloaded: the norm, its all-reduce and the factor stay on the shards' device,
+    as in ``torch.nn.utils.clip_grad_norm_``, so on a GPU the host goes on queueing work
+    instead of waiting for the backward. The device is a stand-in here (meta), the shards'
+    own device for every chunk: a value read or copied from it to the host would raise."""
+    model = make_model("llama")
+    em = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model, 1, chunk_size=4096, pack_size=512))
+    for chunk in em.chunks:
+        chunk.grad_shard = torch.empty_like(chunk.grad_shard, device="meta")
+    reads = _HostReads(monkeypatch)
+    total = grad_shards.clip(em.chunks, em.disk, em.comm, 1.0, norm_type)
+    assert total.device.type == "meta" and reads.count == 0
+
+
 # ---------------------------------------------------------------------- the torch floor
 #: APIs the runtime calls, with the first torch release that has them (checked against the
 #: PyTorch release notes and pull requests cited)
@@ -483,23 +497,3 @@ def test_the_torch_floor_covers_every_api_the_runtime_uses() -> None:
     import torch.distributed as dist
 
     assert all(hasattr(dist, old) for old in FALLBACK.values())
-
-
-def test_adamw_runs_without_adams_decoupled_weight_decay_argument(monkeypatch) -> None:
-    """torch.optim.adam.adam(decoupled_weight_decay=...) only exists from torch 2.7 and the
-    package accepts 2.4, so the runtime must not pass it. The functional kernels are replaced
-    by ones with the older signature."""
-    from hf_elixir.runtime import update as update_mod
-
-    def older(fn):
-        @functools.wraps(fn)
-        def call(*args, **kwargs):
-            if "decoupled_weight_decay" in kwargs:
-                raise TypeError("adam() got an unexpected keyword argument 'decoupled_weight_decay'")
-            return fn(*args, **kwargs)
-        return call
-
-    monkeypatch.setattr(update_mod, "functional_adam", older(update_mod.functional_adam))
-    monkeypatch.setattr(update_mod, "functional_adamw", older(update_mod.functional_adamw))
-    got = elixir_run(0, 1, "llama", dict(chunk_size=4096), steps=2)
-    assert_matches(reference_run("llama", steps=2), got, label="older adam signature")

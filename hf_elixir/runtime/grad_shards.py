@@ -92,20 +92,27 @@ def _norm(chunk: Chunk, disk: Optional[DiskTier], norm_type: float) -> torch.Ten
 def clip(chunks: Sequence[Chunk], disk: Optional[DiskTier], comm: Collectives, max_norm: float,
          norm_type: float, defer: frozenset[int] = frozenset()) -> torch.Tensor:
     """Clip like ``torch.nn.utils.clip_grad_norm_`` on the unsharded model (one all-reduce);
-    returns the total norm. ``defer``: chunks whose scaling is left to their update (``scale``)."""
+    returns the total norm. ``defer``: chunks whose scaling is left to their update (``scale``).
+
+    Where every shard is on one device (nothing offloaded), the norm, its all-reduce and the
+    factor stay on that device, as in PyTorch's own clipping: the host never waits for the
+    backward to finish, so on a GPU it goes on queueing the update and the next step's work.
+    Where shards live on several devices, their sums meet on the host: one sync per device,
+    not one per chunk (a host shard's update needs the factor there anyway)."""
     norm_type = float(norm_type)
-    groups = by_device(chunks, disk)  # one host sync per device, not one per chunk
+    groups = by_device(chunks, disk)
+    where = next(iter(groups)) if len(groups) == 1 else HOST  # where the devices' figures meet
     if norm_type == math.inf:
-        local = torch.zeros(1, dtype=torch.float32)
+        local = torch.zeros(1, dtype=torch.float32, device=where)
         for group in groups.values():
             peak = torch.stack([g.abs().max() for g in values(group, disk)]).max()
-            local = torch.maximum(local, peak.float().cpu().reshape(1))
+            local = torch.maximum(local, peak.float().to(where).reshape(1))
         total = comm.all_reduce(local, op="max")[0]
     else:
-        local = torch.zeros(1, dtype=torch.float64)
+        local = torch.zeros(1, dtype=torch.float64, device=where)
         for group in groups.values():
             norms = torch.stack([_norm(c, disk, norm_type) for c in group])
-            local += norms.double().pow(norm_type).sum().cpu()
+            local += norms.double().pow(norm_type).sum().to(where)
         total = comm.all_reduce(local, op="sum")[0].pow(1.0 / norm_type).float()
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for device, group in groups.items():

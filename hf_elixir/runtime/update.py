@@ -49,8 +49,8 @@ def apply_update(algorithm: str, group: dict, device: torch.device, b: dict[str,
     fused = _fused_ok(device)
     if algorithm in ("adamw", "adam"):
         beta1, beta2 = group["betas"]
-        # functional adamw, not adam(decoupled_weight_decay=True): that argument only
-        # exists from torch 2.7, and the package accepts 2.4
+        # functional adamw rather than adam(decoupled_weight_decay=True): the same kernel,
+        # under a name every torch release since 2.0 has
         update = functional_adamw if algorithm == "adamw" else functional_adam
         update(
             b["params"], b["grads"], b["exp_avg"], b["exp_avg_sq"], [], b["steps"],
