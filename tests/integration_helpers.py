@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import torch
@@ -17,6 +19,15 @@ REFERENCE_SITE = Path(__file__).resolve().parent / "reference_site"
 #: a calibration of a quiet 2-core machine, committed, for tests whose plans must not depend on
 #: the machine they run on (test_oom_recovery) or that need a real calibration file to read
 CALIBRATION = Path(__file__).resolve().parent / "data" / "calibration_2core_cpu.json"
+
+
+def benchmark_module(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` loaded as a module, so that a test runs its ``main()`` (with
+    ``sys.argv`` set) in this process."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def worker_env(**extra: str) -> dict[str, str]:

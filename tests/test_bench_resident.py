@@ -4,18 +4,14 @@ script refuses to report a ratio between runs whose losses parted)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from integration_helpers import benchmark_module
 
 
 def test_quick_run_times_both_systems_by_phase(tmp_path, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_resident", ROOT / "benchmarks" / "bench_resident.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("bench_resident")
     out = tmp_path / "resident.json"
     monkeypatch.setattr(sys, "argv", ["bench_resident.py", "--quick", "--out", str(out)])
     bench.main()

@@ -4,18 +4,14 @@ and the ratio it reports is the one their own timings give."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from integration_helpers import benchmark_module
 
 
 def test_quick_run_times_the_plain_and_the_launched_trainer(tmp_path, monkeypatch) -> None:
-    spec = importlib.util.spec_from_file_location("bench_trainer", ROOT / "benchmarks" / "bench_trainer.py")
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = benchmark_module("bench_trainer")
     out = tmp_path / "trainer.json"
     monkeypatch.setattr(sys, "argv", ["bench_trainer.py", "--quick", "--dtypes", "fp32", "--out", str(out)])
     bench.main()
