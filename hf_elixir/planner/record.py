@@ -31,6 +31,12 @@ _PLACEMENTS = ("device", "cpu")
 #: (the runtime's disk tier, ``runtime/disk_tier.py``); parameter shards may not
 _OPTIM_PLACEMENTS = ("device", "cpu", "disk")
 
+#: what a block does with the activations its backward needs (see ElixirPlan.block_policies):
+#: keep them on the device; recompute them from the block's input (checkpointing); recompute
+#: them from an input that waits in host memory; or keep them all, in host memory
+BlockPolicy = Literal["keep", "recompute", "recompute_offload", "offload"]
+BLOCK_POLICIES: tuple[str, ...] = ("keep", "recompute", "recompute_offload", "offload")
+
 
 class PlanError(HfElixirError, ValueError):
     """A plan is invalid for this model, or no plan fits the memory available."""
@@ -109,6 +115,12 @@ class ElixirPlan:
             run as (an integration that can split batches, the Trainer's, honours it; the
             global batch stays the same). 1 unless a recovery or ``auto_find_batch_size``
             chose a smaller micro-batch.
+        block_policies: block (module name) -> its activation policy, one of BLOCK_POLICIES.
+            Empty: every block follows ``activation_checkpointing`` ("recompute" when it is
+            on, "keep" when off). A block not named keeps that default too.
+        logit_piece_tokens: the LM head and its loss run over the sequence in pieces of this
+            many tokens, so the whole (batch, sequence, vocab) logits never exist; 0 runs
+            them whole, as the model does.
         predictions: optional figures from the planner (peak bytes by category, step time).
         alternatives: optional runner-up candidates with the reason they lost.
     """
@@ -125,6 +137,8 @@ class ElixirPlan:
     min_rcache_blocks: int = 0
     signature: str = ""
     micro_batch_split: int = 1
+    block_policies: dict[str, str] = field(default_factory=dict)
+    logit_piece_tokens: int = 0
     predictions: dict[str, Any] = field(default_factory=dict)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
@@ -152,6 +166,11 @@ class ElixirPlan:
         if not trainable:
             return 0.0
         return sum(c.optim_placement != "device" for c in trainable) / len(trainable)
+
+    def policy_of(self, block: str) -> str:
+        """The activation policy of ``block``: its entry in block_policies, or the default
+        that ``activation_checkpointing`` sets for every block."""
+        return self.block_policies.get(block, "recompute" if self.activation_checkpointing else "keep")
 
     @property
     def frozen_chunks(self) -> list[int]:
@@ -295,6 +314,11 @@ class ElixirPlan:
         canonical_dtype(self.compute_dtype)
         if self.rcache_blocks < 1:
             raise PlanError(f"rcache_blocks must be >= 1, got {self.rcache_blocks}")
+        odd = {b: p for b, p in self.block_policies.items() if p not in BLOCK_POLICIES}
+        if odd:
+            raise PlanError(f"block_policies has unknown policies {odd}; each must be one of {BLOCK_POLICIES}")
+        if self.logit_piece_tokens < 0:
+            raise PlanError(f"logit_piece_tokens must be >= 0 (0: whole logits), got {self.logit_piece_tokens}")
         if self.rcache_blocks < self.min_rcache_blocks:
             raise PlanError(_too_few_blocks(self.rcache_blocks, self.min_rcache_blocks))
         if self.prefetch_depth < 0:
