@@ -12,7 +12,9 @@ chunk's region in the file (ZeRO-Infinity streams gradients to NVMe the same way
   the I/O threads. Only reductions in flight hold buffers, so the ring is
   ``planner.disk.GRAD_RING`` planes (the planner counts them in host memory);
 - the update reads the plane with the chunk's other planes (``DiskTier.acquire``);
-- ``forget`` is ``zero_grad``: the plane reads as zeros until it is written again;
+- ``forget`` is ``zero_grad``: the plane reads as zeros until it is written again; a plane
+  counts as written only once its write returned (a failed write, a ``DiskTierError``,
+  never leaves a plane that reads as holding data it does not hold);
 - a scaling of every gradient shard (fp16's unscale, clipping) cannot rewrite every plane
   without a pass over the disk, so it is recorded (``scale``) and applied, in order, to
   whatever reads the plane next: the update's copy, a norm's copy (``read_scaled``), or the
@@ -124,6 +126,7 @@ class DiskGrads:
     def read_scaled(self, cid: int) -> torch.Tensor:
         """A fresh copy of chunk ``cid``'s gradient as an in-memory shard would hold it now
         (for a norm or an inf check); reads the plane, changes nothing."""
+        self.file.check()
         chunk = self.chunks[cid]
         out = aligned(chunk.plane_bytes)
         self.load(cid, out)
@@ -147,6 +150,7 @@ class DiskGrads:
         A chunk may be opened again before it is closed (reduced twice in one backward: late
         on another rank, its first reduction still in flight): both add into the one
         buffer, written back at the last ``close``."""
+        self.file.check()  # a transfer failed: the planes are no longer whole
         chunk = self.chunks[cid]
         held = next((b for b in self._ring if b.cid == cid and b.held), None)
         if held is not None:
@@ -172,11 +176,20 @@ class DiskGrads:
             return
         buf.held = False
         norm = torch.linalg.vector_norm(buf.data[: self.chunks[cid].numel], 2.0)
-        buf.version = self._bump(cid, stored=True)
+        # a new version now (older copies are stale); stored once the write has returned
+        buf.version = self._bump(cid, stored=False)
         with self.file.lock:
             self._norms[cid] = (buf.version, norm)
         view = buf.data[: self.chunks[cid].plane_bytes // 4]
-        buf.future, buf.writing = self.file.submit(self.file.write, view, self.offset(cid)), True
+        buf.future, buf.writing = self.file.submit(self._write, view, cid, buf.version), True
+
+    def _write(self, view: torch.Tensor, cid: int, version: int) -> None:
+        """Write a plane back (on an I/O thread); it holds the gradient once that returned,
+        unless the gradient changed meanwhile (``forget``: it reads as zeros)."""
+        self.file.write(view, self.offset(cid))
+        with self.file.lock:
+            if self._version[cid] == version:
+                self._stored.add(cid)
 
     @contextlib.contextmanager
     def opened(self, cid: int) -> Iterator[torch.Tensor]:

@@ -6,6 +6,13 @@ before a chunk's update and written behind it) and the gradient side (``DiskGrad
 chunk's fp32 gradient shard, written as backward reduces it and read by its update). Both
 hand their transfers to the same I/O threads, which call ``os.preadv``/``os.pwritev`` (they
 release the GIL) in submission order, and count bytes and seconds in one place.
+
+A transfer that fails (``ENOSPC``, ``EIO``, a short transfer) becomes a ``DiskTierError``
+saying what failed and what to do. It is recorded as the file's ``failure``: the file no
+longer holds a whole state, so every later use of the tier raises it again instead of
+reading planes that were never written. On the I/O thread it is raised where the consumer
+next waits for that transfer (``RingBuffer.settle``); the consumers mark a plane as holding
+data only after its write returned.
 """
 
 from __future__ import annotations
@@ -22,8 +29,24 @@ from typing import Callable, Optional
 
 import torch
 
+from hf_elixir.vocab import HfElixirError
+
 #: O_DIRECT's alignment of buffers, offsets and sizes (a page covers every device's block)
 ALIGN = 4096
+
+
+class DiskTierError(HfElixirError, ValueError):
+    """The disk tier cannot be used as asked: no path, a bad path, too little space, a
+    directory in use by another run, a tier that was closed, or a transfer that failed."""
+
+
+#: what a failed transfer's errno means for the user
+_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "this user's disk quota is used up",
+    errno.EIO: "the disk reported an I/O error",
+    errno.EINVAL: "the file system refused the transfer (O_DIRECT alignment)",
+}
 
 
 def pad(nbytes: int) -> int:
@@ -127,6 +150,8 @@ class DiskFile:
         self.counters = Counters()
         #: guards the counters and the consumers' shared bookkeeping (which planes hold data)
         self.lock = threading.Lock()
+        #: the first transfer that failed: the file no longer holds a whole state
+        self.failure: Optional[DiskTierError] = None
 
     def submit(self, fn: Callable, *args) -> Future:
         return self.io.submit(fn, *args)
@@ -136,6 +161,27 @@ class DiskFile:
 
     def write(self, view: torch.Tensor, offset: int) -> None:
         self._transfer(os.pwritev, view, offset)
+
+    def check(self) -> None:
+        """Raise the recorded failure, if a transfer failed: nothing the file holds is used
+        after that (a plane whose write failed holds neither its old nor its new value)."""
+        failure = self.failure
+        if failure is not None:
+            raise DiskTierError(str(failure)) from failure
+
+    def _failed(self, exc: OSError, reading: bool, offset: int, nbytes: int) -> DiskTierError:
+        """``exc`` as the ``DiskTierError`` the user sees; the first one is recorded."""
+        code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
+        reason = _REASONS.get(exc.errno or 0, exc.strerror or str(exc))
+        error = DiskTierError(
+            f"the disk tier could not {'read' if reading else 'write'} {nbytes} bytes at byte {offset} of "
+            f"{self.path}: {reason} ({code}: {exc.strerror or exc}). The optimizer state in this file is no "
+            "longer whole, so this run cannot go on: free space on that disk or fix it (or name another "
+            "nvme_path), then resume from the last checkpoint")
+        with self.lock:
+            if self.failure is None:
+                self.failure = error
+        return error
 
     def counted(self) -> dict[str, float]:
         """A copy of the counters, read between two steps or during one."""
@@ -153,9 +199,10 @@ class DiskFile:
             while done < len(data):
                 moved = call(self.fd, [data[done:]], offset + done)
                 if moved <= 0:
-                    raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'} at byte "
-                                  f"{offset + done} of {self.path}")
+                    raise OSError(errno.EIO, f"short {'read' if call is os.preadv else 'write'}")
                 done += moved
+        except OSError as exc:
+            raise self._failed(exc, call is os.preadv, offset + done, len(data) - done) from exc
         finally:
             with self.lock:
                 end = time.perf_counter()

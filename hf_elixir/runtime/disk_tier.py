@@ -19,14 +19,26 @@ to ``ALIGN`` bytes, so every plane is padded to it and the page cache is bypasse
 
 The scratch files are the run's own, never a checkpoint:
 
-- each rank works in ``<nvme_path>/hf_elixir-rank<r>/``, which it claims with a lock file
-  (``flock``) holding the run's identity. A directory another live run holds is refused;
-  one left by a run that crashed is emptied (with a warning) and rebuilt from this run's
-  own state, from initialisation or from the checkpoint it loads;
-- a plane is read from the file only once this run has written it; before that it reads as
-  zeros (fresh optimizer state), so nothing a file held before this run is ever state;
-- the files are removed when the module is closed, at a normal exit, or when the tier is
-  garbage collected (not in a forked child, which shares the parent's files).
+- each rank works in ``<nvme_path>/hf_elixir-<uid>-rank<r>/`` (the user's number in the
+  name), a folder only this user can write, claimed with a lock file holding the run's
+  identity (``disk_folder.py``: a symlink, another user's folder or lock, or a folder
+  others can write is refused untouched; a folder another live run holds is refused naming
+  it). One a crashed run left is emptied (with a warning) and rebuilt from this run's own
+  state, from initialisation or from the checkpoint it loads;
+- ``O_DIRECT`` is probed when the file opens (one aligned block written and read back): a
+  file system that takes the flag but refuses its transfers is used through the page
+  cache, with a warning, instead of failing in the middle of a step;
+- a plane is read from the file only once this run has written it, and it counts as
+  written only once its write returned; before that it reads as zeros (fresh optimizer
+  state), so nothing a file held before this run is ever state;
+- a transfer that fails (a full disk, an I/O error) is a ``DiskTierError``, raised on this
+  rank where the run next waits for the tier (the next read, the optimizer step's wait
+  for the gradients, a save, ``flush``) and at every use after it (``DiskFile.failure``);
+  the other ranks stop at their next collective with this one, or when the launcher ends
+  them (torchrun sends SIGTERM to the others when one worker fails);
+- the files are removed when the module is closed, at a normal exit, when the tier is
+  garbage collected, or on SIGTERM (``disk_folder._on_sigterm``); never by a forked child, which
+  shares the parent's files.
 
 One consumer of the optimizer ring at a time: the host update thread during its step, the
 main thread otherwise (every reader of the whole state waits for that thread first); the
@@ -38,14 +50,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import errno
-import fcntl
-import json
 import os
 import shutil
-import socket
+import stat
 import tempfile
-import time
-import uuid
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -57,20 +65,15 @@ import torch
 from hf_elixir.planner.record import ElixirPlan, chunk_layout
 from hf_elixir.profile.params import chunk_numel
 from hf_elixir.runtime.disk_grads import GRAD, DiskGrads
-from hf_elixir.runtime.disk_io import ALIGN, DiskFile, RingBuffer, aligned, pad
-from hf_elixir.vocab import HfElixirError, format_bytes
+from hf_elixir.runtime.disk_folder import DATA_NAME, DIR_PREFIX, ENV, LOCK_NAME, claim
+from hf_elixir.runtime.disk_io import ALIGN, DiskFile, DiskTierError, RingBuffer, aligned, pad
+from hf_elixir.vocab import format_bytes
 
-ENV = "ELIXIR_NVME_PATH"
 #: the most optimizer-state planes a supported optimizer keeps (Adam's two moments)
 MAX_STATE_PLANES = 2
-DIR_PREFIX = "hf_elixir-rank"
-LOCK_NAME = "owner.lock"
-DATA_NAME = "state.bin"
-
-
-class DiskTierError(HfElixirError, ValueError):
-    """The disk tier cannot be used as asked: no path, a bad path, too little space, a
-    directory in use by another run, or a tier that was closed."""
+#: named here too: the tier's callers and tests import them from this module
+__all__ = ["ALIGN", "DATA_NAME", "DIR_PREFIX", "ENV", "GRAD", "LOCK_NAME", "DiskChunk", "DiskPlan", "DiskTier",
+           "DiskTierError", "batch_views", "check_path", "clear_grad", "open_chunk", "prepare", "resolve_path"]
 
 
 @dataclass(frozen=True)
@@ -168,63 +171,15 @@ def check_path(path: str | os.PathLike, needed: int, ranks: int = 1) -> Path:
     except OSError as e:
         raise DiskTierError(f"nvme_path {str(root)!r} is not writable ({e.strerror or e}); name a directory "
                             "this user can write, or change its permissions") from None
-    free = shutil.disk_usage(root).free + sum(
-        f.stat().st_size for f in root.glob(f"{DIR_PREFIX}*/{DATA_NAME}") if f.is_file())
+    free = shutil.disk_usage(root).free + sum(  # this user's own, real files only
+        f.lstat().st_size for f in root.glob(f"{DIR_PREFIX}*/{DATA_NAME}")
+        if not f.parent.is_symlink() and stat.S_ISREG(f.lstat().st_mode))
     if needed > free:
         raise DiskTierError(
             f"nvme_path {str(root)!r} has {format_bytes(free)} free ({free} bytes) but the disk tier needs "
             f"{format_bytes(needed)} ({needed} bytes{f' for {ranks} ranks' if ranks > 1 else ''}); free "
             f"{format_bytes(needed - free)} there, name a larger disk, or keep fewer chunks on disk")
     return root
-
-
-# ---------------------------------------------------------------------- the run's directory
-def _identity() -> dict:
-    return {"pid": os.getpid(), "host": socket.gethostname(), "run": uuid.uuid4().hex,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
-
-
-def _claim(root: Path, rank: int) -> tuple[Path, int]:
-    """Lock this rank's directory for this run and empty it; returns it and the lock's fd
-    (held until the tier closes). Another live run's lock is refused; a stale one (a run
-    that crashed) is taken over, its files discarded unread."""
-    directory = root / f"{DIR_PREFIX}{rank:05d}"
-    directory.mkdir(exist_ok=True)
-    fd = os.open(directory / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as e:
-        os.close(fd)
-        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-            raise
-        owner = (directory / LOCK_NAME).read_text(errors="replace").strip() or "unknown"
-        if f'"pid": {os.getpid()},' in owner:
-            raise DiskTierError(f"{directory} is held by another ElixirModule of this process ({owner}); "
-                                "close() it first, or give this one its own nvme_path") from None
-        raise DiskTierError(
-            f"{directory} is in use by another live run ({owner}); give each run its own nvme_path "
-            f"(or {ENV})") from None
-    stale = os.pread(fd, 4096, 0).decode(errors="replace").strip()
-    for entry in directory.iterdir():
-        if entry.name != LOCK_NAME:
-            shutil.rmtree(entry) if entry.is_dir() and not entry.is_symlink() else entry.unlink()
-    if stale:
-        warnings.warn(f"hf_elixir: {directory} held the scratch files of a run that did not exit cleanly "
-                      f"({stale}); they were discarded unread, and this run writes its own state there",
-                      stacklevel=3)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps(_identity()).encode(), 0)
-    return directory, fd
-
-
-def _remove(directory: Path, fds: list[int], owner_pid: int) -> None:
-    """Close the files and remove the run's directory (only in the process that made it)."""
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-    fds.clear()
-    if os.getpid() == owner_pid:
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 # ---------------------------------------------------------------------- the tier
@@ -241,17 +196,18 @@ class DiskTier:
         if ring < 2:
             raise ValueError(f"the disk tier needs a ring of at least 2 buffers, got {ring}")
         self.chunks = {c.cid: c for c in chunks}
-        self.directory, lock_fd = _claim(Path(root), rank)
-        self._fds = [lock_fd]
+        #: the rank's folder, claimed (``disk_folder.py``: private, locked, removed on SIGTERM)
+        self.folder = claim(Path(root), rank)
+        self.directory = self.folder.directory
         # removed when the tier is collected (or its opening fails); at exit, after the host
         # update thread is done with it and its transfers are over (``_close_at_exit``)
-        self._finalizer = weakref.finalize(self, _remove, self.directory, self._fds, os.getpid())
+        self._finalizer = weakref.finalize(self, self.folder.remove)
         try:
-            fd = self._open(self.directory / DATA_NAME, sum(c.region_bytes for c in chunks))
+            fd = self._open(sum(c.region_bytes for c in chunks))
         except BaseException:
             self._finalizer()
             raise
-        self._fds.append(fd)
+        self.folder.fds.append(fd)
         self.file = DiskFile(fd, self.directory / DATA_NAME, self.direct)
         atexit.register(_close_at_exit, weakref.ref(self), os.getpid())
         largest = max((c.region_bytes for c in chunks), default=ALIGN)
@@ -269,16 +225,28 @@ class DiskTier:
         """The file's I/O counters (``disk_io.Counters``), both consumers' transfers."""
         return self.file.counters
 
-    def _open(self, path: Path, total: int) -> int:
+    def _open(self, total: int) -> int:
         """The state file, new and ``total`` bytes long, its space reserved now: running out
-        of it in the middle of a step would lose the state."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC
+        of it in the middle of a step would lose the state. ``O_DIRECT`` where the file
+        system takes it and its transfers (``_probe``), else through the page cache."""
+        flags = os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        path = self.directory / DATA_NAME
         self.direct = hasattr(os, "O_DIRECT")
-        try:
-            fd = os.open(path, flags | (os.O_DIRECT if self.direct else 0), 0o600)
-        except OSError:  # a file system without direct I/O (tmpfs): through the page cache
+        fd = -1
+        if self.direct:
+            with contextlib.suppress(OSError):  # a file system without direct I/O (tmpfs, older kernels)
+                fd = os.open(DATA_NAME, flags | os.O_DIRECT, 0o600, dir_fd=self.folder.dfd)
+            refused = self._probe(fd, path) if fd >= 0 else None
+            if refused is not None:
+                os.close(fd)
+                fd = -1
+                warnings.warn(f"hf_elixir: the file system of {path} accepts O_DIRECT but refused an aligned "
+                              f"{ALIGN}-byte transfer ({refused}); the disk tier reads and writes through "
+                              "the page cache instead (slower for large state; a local ext4 or xfs disk "
+                              "takes direct I/O)", stacklevel=4)
+        if fd < 0:
             self.direct = False
-            fd = os.open(path, flags, 0o600)
+            fd = os.open(DATA_NAME, flags, 0o600, dir_fd=self.folder.dfd)
         try:
             os.posix_fallocate(fd, 0, total)
         except OSError as e:
@@ -288,6 +256,28 @@ class DiskTier:
                                     "free space there or name another nvme_path") from None
             os.ftruncate(fd, total)
         return fd
+
+    @staticmethod
+    def _probe(fd: int, path: Path) -> Optional[str]:
+        """Write and read back one aligned block through ``fd`` (opened with ``O_DIRECT``), as
+        every transfer of the tier is aligned; the refusal's reason if the file system
+        refuses it (EINVAL: it wants another alignment, or no direct I/O after all), None if
+        it works. Other errors (a full disk) are the tier's errors, raised now."""
+        block = aligned(ALIGN).zero_()
+        view = memoryview(block.view(torch.uint8).numpy()).cast("B")
+        try:
+            written = os.pwritev(fd, [view], 0)
+            read = os.preadv(fd, [view], 0) if written == ALIGN else 0
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return f"{errno.errorcode.get(e.errno)}: {e.strerror}"
+            os.close(fd)
+            raise DiskTierError(f"the disk tier could not write its first block to {path} ({e.strerror or e}); "
+                                "free space there or name another nvme_path") from None
+        if written != ALIGN or read != ALIGN:
+            return f"a short transfer ({written} of {ALIGN} bytes written, {read} read)"
+        os.ftruncate(fd, 0)
+        return None
 
     # ------------------------------------------------------------------ setup
     @property
@@ -378,18 +368,24 @@ class DiskTier:
     def _read(self, buf: RingBuffer, cid: int) -> None:
         chunk = self.chunks[cid]
         per = chunk.plane_bytes // 4
+        with self.file.lock:
+            written = {plane for c, plane in self._written if c == cid}
         for i, plane in enumerate(chunk.planes):
             view = buf.data[i * per : (i + 1) * per]
             if plane == GRAD:
                 self.grads.load(cid, view)
-            elif (cid, plane) in self._written:
+            elif plane in written:
                 self.file.read(view, chunk.offset + i * chunk.plane_bytes)
             else:  # never written in this run: fresh (zero) state, not whatever the file holds
                 view.zero_()
 
     def _write(self, buf: RingBuffer, cid: int) -> None:
+        """Write the chunk's planes back; only once that returned do they count as written
+        (a failed write leaves them as they were: read as zeros if never written before)."""
         chunk = self.chunks[cid]
         self.file.write(buf.data[: chunk.update_bytes // 4], chunk.offset)
+        with self.file.lock:
+            self._written.update((cid, plane) for plane in chunk.planes if plane != GRAD)
 
     def _fresh_grad(self, buf: RingBuffer, cid: int) -> None:
         """The buffer's gradient plane as an in-memory shard would hold it now: read again
@@ -407,6 +403,7 @@ class DiskTier:
         if self.closed:
             raise DiskTierError(f"the disk tier in {self.directory} was closed (ElixirModule.close() or exit); "
                                 "its state is gone: save a checkpoint before closing")
+        self.file.check()  # a transfer failed: nothing more is read from or written to the file
 
     def prefetch(self, cid: int) -> None:
         """Start reading chunk ``cid``'s planes into a free buffer, if one is free now."""
@@ -439,8 +436,7 @@ class DiskTier:
         if buf is None or not buf.held:
             raise RuntimeError(f"hf_elixir disk tier: chunk {cid} released without being acquired")
         buf.held = False
-        if write:
-            self._written.update((cid, plane) for plane in self.chunks[cid].planes if plane != GRAD)
+        if write:  # the planes count as written once the write returns (``_write``)
             buf.future, buf.writing = self.file.submit(self._write, buf, cid), True
 
     @contextlib.contextmanager
@@ -455,16 +451,22 @@ class DiskTier:
         self.release(cid, write=write)
 
     def flush(self) -> None:
-        """Wait until every write-back has reached the file."""
+        """Wait until every write-back has reached the file (a failed one raises here)."""
         if not self.closed:
             self._settle_all()
+            self.file.check()
 
     def close(self) -> None:
-        """Finish the I/O, close the files and remove the run's directory. Idempotent."""
+        """Finish the I/O, close the files and remove the run's directory. Idempotent. A
+        failed transfer is not raised again here: it was raised where the run met it, and
+        the files it spoilt are being removed."""
         if self.closed:
             return
         try:
             self._settle_all()
+        except DiskTierError:
+            if self.file.failure is None:
+                raise
         finally:
             self.file.io.shutdown()
             self._finalizer()

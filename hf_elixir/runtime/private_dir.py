@@ -23,12 +23,17 @@ class UntrustedFolderError(HfElixirError, PermissionError):
     """A folder hf_elixir would load from or delete in is not this user's private folder."""
 
 
-def _owner_name(uid: int) -> str:
+def owner_name(uid: int) -> str:
+    """``uid`` as a message names it: the user name and the number (the number alone where
+    the system has no name for it)."""
     try:
         import pwd
         return f"{pwd.getpwuid(uid).pw_name} (uid {uid})"
     except (ImportError, KeyError):
         return f"uid {uid}"
+
+
+_owner_name = owner_name  # the name other modules used before it was public
 
 
 def check_private(path: Path, what: str) -> os.stat_result:
@@ -69,3 +74,24 @@ def private_directory(path: Path, what: str, parents: bool = True) -> Path:
             raise
     check_private(path, what)
     return path
+
+
+def open_private(path: Path, what: str) -> int:
+    """:func:`private_directory`, then the folder opened (``O_DIRECTORY | O_NOFOLLOW``) and
+    its descriptor checked to be the folder just checked; returns the descriptor.
+
+    What a caller then does relative to it (``dir_fd=``) happens in that folder even if the
+    path is swapped for a symlink after the check: a parent folder others can write (a
+    scratch disk without the sticky bit) cannot redirect a deletion."""
+    checked = check_private(private_directory(path, what, parents=False), what)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise UntrustedFolderError(f"{what} {str(path)!r} changed while it was checked ({exc.strerror or exc}); "
+                                   "choose a folder only you can write") from None
+    opened = os.fstat(fd)
+    if (opened.st_dev, opened.st_ino) != (checked.st_dev, checked.st_ino):
+        os.close(fd)
+        raise UntrustedFolderError(f"{what} {str(path)!r} was replaced while it was checked; "
+                                   "choose a folder only you can write")
+    return fd
