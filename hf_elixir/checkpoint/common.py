@@ -1,10 +1,17 @@
 """What saving and loading share: collectives that let every rank agree before anything
 changes, the split of a state dict into chunked and whole tensors, JSON values, and the
-frozen weights' digests (computed collectively from each rank's shards)."""
+frozen weights' digests (computed collectively from each rank's shards).
+
+Every collective step of a save or load is a local part on each rank followed by one
+agreement (``LocalPart.run`` then ``agree``): an exception of any type in one rank's part,
+a ``ValueError`` from a tokenizer's ``save_pretrained`` as much as an ``OSError``, reaches
+every rank as an error at the agreement, so no rank waits for a collective the failing rank
+never joins."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -22,13 +29,52 @@ def all_gather_object(comm, obj: Any) -> list[Any]:
     return out
 
 
-def raise_if_any(comm, error: Optional[str]) -> None:
-    """Every rank raises if any rank failed, so no rank changes state or waits forever."""
-    errors = all_gather_object(comm, error)
-    for rank, message in enumerate(errors):
-        if message is not None:
-            suffix = f" (reported by rank {rank})" if comm.distributed and rank != comm.rank else ""
-            raise CheckpointError(message + suffix)
+@dataclass
+class LocalPart:
+    """What one rank's local part of a collective operation returned or raised (``run``),
+    held until ``agree`` has told every rank whether any part failed."""
+
+    value: Any = None
+    error: Optional[BaseException] = None
+
+    @classmethod
+    def run(cls, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> "LocalPart":
+        """Call ``fn``, keeping any exception, of any type: one that escaped here would leave
+        the other ranks waiting in the next collective until the process group times out."""
+        try:
+            return cls(value=fn(*args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - re-raised by agree() once every rank knows
+            return cls(error=e)
+
+
+def agree(comm, part: LocalPart, what: str, share: Any = None) -> list[Any]:
+    """Collective: every rank learns whether any rank's ``part`` failed, and each rank's
+    ``share`` (rank order) comes back when none did.
+
+    On a failure every rank raises, at once: the failing rank its own exception, with its
+    traceback (an ``OSError`` becomes a ``CheckpointError`` saying ``what`` failed, with the
+    ``OSError`` as its cause; a ``CheckpointError`` is raised as it is), and every other rank a
+    ``CheckpointError`` with the failing rank's message and number. ``what`` says what was
+    being done (it opens the messages of errors other than ``CheckpointError``)."""
+    message = None if part.error is None else _message(part.error, what)
+    gathered = all_gather_object(comm, (message, share if part.error is None else None))
+    if part.error is not None:
+        if isinstance(part.error, OSError):
+            raise CheckpointError(message) from part.error
+        raise part.error
+    for rank, (other, _) in enumerate(gathered):
+        if other is not None:
+            raise CheckpointError(f"{other} (reported by rank {rank})")
+    return [value for _, value in gathered]
+
+
+def _message(error: BaseException, what: str) -> str:
+    if isinstance(error, CheckpointError):
+        return str(error)
+    if isinstance(error, OSError):
+        return f"{what}: {error}"
+    return (f"{what}: {type(error).__name__}: {error} (not a checkpoint problem this code "
+            "anticipated: the traceback is in that rank's output)")
 
 
 def untracked_tensors(module: torch.nn.Module, slot_ids: set[int]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -80,16 +126,9 @@ def from_json_value(value: Any, like: Any = None) -> Any:
 def frozen_digests(emodel, dtypes: list[torch.dtype]) -> dict[str, dict[str, str]]:
     """Every frozen parameter's digest in each of ``dtypes`` (collective; the same result on
     every rank). A rank that cannot compute its share makes every rank raise."""
-    partial, error = None, None
-    try:
-        partial = frz.local_partials(emodel, dtypes)
-    except CheckpointError as e:
-        error = f"rank {emodel.comm.rank}: {e}"
-    parts = all_gather_object(emodel.comm, (partial, error))
-    errors = [e for _, e in parts if e]
-    if errors:
-        raise CheckpointError("; ".join(errors))
-    return frz.combine([p for p, _ in parts], [s.name for s in frz.frozen_slots(emodel)], dtypes)
+    part = LocalPart.run(frz.local_partials, emodel, dtypes)
+    partials = agree(emodel.comm, part, "computing the frozen weights' digests", share=part.value)
+    return frz.combine(partials, [s.name for s in frz.frozen_slots(emodel)], dtypes)
 
 
 def whole_tensors(emodel) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

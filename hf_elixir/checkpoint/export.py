@@ -13,6 +13,10 @@ weight) and could silently pair the adapters with the wrong base; the run that h
 model already has the right base and the right names: load the checkpoint there and save
 with ``accelerator.save_model`` / ``trainer.save_model`` (a PEFT model's adapter folder,
 which ``PeftModel.from_pretrained`` loads onto its base) or ``ElixirModule.state_dict()``.
+
+Every file name export reads or writes comes from the index, which ``resolve`` checks whole
+(``names.py``) before the output folder is created: a crafted ``hf_files`` entry such as
+``../../x`` or a symlink out of the checkpoint is refused, and nothing is written.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.frozen import SavedFrozen
 from hf_elixir.checkpoint.index import INDEX_NAME, UNTRACKED_NAME, resolve, verify_hashes
 from hf_elixir.checkpoint.io import SafetensorsWriter, TensorSpec, dtype_from_name, dtype_name
+from hf_elixir.checkpoint.names import member
 from hf_elixir.checkpoint.reshard import SavedSlices
 from hf_elixir.vocab import parse_bytes, torch_dtype
 
@@ -65,7 +70,7 @@ def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
     if output.exists() and (not output.is_dir() or any(output.iterdir())):
         raise CheckpointError(f"{output} exists and is not empty; export into a new or empty directory")
     if verify:
-        verify_hashes(path, index, [n for n, f in index["files"].items() if f["kind"] != "optimizer"])
+        verify_hashes(path, index, [n for n, f in index["files"].items() if f.get("kind") != "optimizer"])
 
     # what goes out, in the model's state_dict order; tied duplicates are left to from_pretrained
     entries: dict[str, dict] = {}
@@ -116,8 +121,9 @@ def export(directory: str | os.PathLike, output: str | os.PathLike, dtype=None,
             weight_map = {spec.key: fname for fname, shard in zip(names, shards) for spec in shard}
             (tmp / WEIGHTS_INDEX_NAME).write_text(json.dumps(
                 {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2) + "\n")
-        for fname in index.get("hf_files", []):
-            shutil.copyfile(path / fname, tmp / fname)
+        for fname in index.get("hf_files", []):  # names checked by resolve(); again here, at the join
+            source_file = member(path, fname, str(path / INDEX_NAME)).resolve()
+            shutil.copyfile(source_file, member(tmp, fname, f"export to {output}"))
         if out_dtype is not None and (tmp / "config.json").exists():
             config = json.loads((tmp / "config.json").read_text())
             for key in ("dtype", "torch_dtype"):

@@ -3,7 +3,9 @@
 ``elixir_index.json`` is written last, by rank 0, after every rank's files are complete and
 synced, and it lists every file with its size and sha256. A directory is a checkpoint only
 if its index is there, parses, has a format version this code understands, and every file
-it lists exists with the recorded size (and, when read, the recorded hash).
+it lists exists with the recorded size (and, when read, the recorded hash), and every file
+name it lists is a plain name inside the directory (``names.py``): a crafted index cannot make
+a reader touch a file elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from hf_elixir.checkpoint.atomic import OLD_MARK, TMP_MARK, leftovers
 from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.io import file_sha256
+from hf_elixir.checkpoint.names import check_index_names, member
 
 FORMAT = "hf_elixir.sharded_checkpoint"
 FORMAT_VERSION = 2          # the newest format this code reads and writes
@@ -62,8 +65,9 @@ def read_index(directory: Path) -> dict[str, Any]:
     for key in ("world_size", "params", "files", "rank_files"):
         if key not in index:
             raise CheckpointError(f"{path}: the index has no {key!r}; the checkpoint is corrupted")
+    check_index_names(directory, index, str(path))  # before any name is joined to the folder
     for name, info in index["files"].items():
-        fpath = directory / name
+        fpath = member(directory, name, str(path))
         if not fpath.is_file():
             raise CheckpointError(
                 f"{fpath}: file listed in the index is missing; the checkpoint is incomplete "
@@ -82,11 +86,10 @@ def verify_hashes(directory: Path, index: dict[str, Any], names) -> None:
     """Check the sha256 of the listed files (all of them for ``names=None``)."""
     for name in (index["files"] if names is None else names):
         info = index["files"][name]
-        digest = file_sha256(Path(directory) / name)
-        if digest != info["sha256"]:
+        fpath = member(Path(directory), name, str(Path(directory) / INDEX_NAME))
+        if file_sha256(fpath) != info["sha256"]:
             raise CheckpointError(
-                f"{Path(directory) / name}: contents do not match the sha256 recorded in the index; "
-                "the file is corrupted"
+                f"{fpath}: contents do not match the sha256 recorded in the index; the file is corrupted"
             )
 
 

@@ -1,14 +1,17 @@
 """Load a sharded checkpoint into a runtime of any world size and plan.
 
 Everything is checked before anything changes (the index, the model's names and shapes, the
-frozen weights' digests, the optimizer's kind and groups, every file's size and sha256, the
-safetensors headers); on any problem every rank raises the same ``CheckpointError``. Then
+frozen weights' digests, the optimizer's kind and groups, every file's size and sha256 (the
+small JSON files' always, the tensor files' unless ``verify=False``), the safetensors
+headers); on any problem every rank raises the same ``CheckpointError``; an unexpected
+exception on one rank is re-raised there and reaches the others as a ``CheckpointError``. Then
 each rank fills the slices it owns now from the saved slices that overlap them
 (``reshard.py``), through the runtime's seam (``hf_elixir.runtime.state``).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -17,10 +20,11 @@ from typing import Any, Optional
 import torch
 
 from hf_elixir.checkpoint import frozen as frz
-from hf_elixir.checkpoint.common import frozen_digests, from_json_value, raise_if_any, whole_tensors
+from hf_elixir.checkpoint.common import LocalPart, agree, frozen_digests, from_json_value, whole_tensors
 from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.index import EXTRA_NAME, INDEX_NAME, OPTIMIZER_STATE_NAME, SCHEDULER_NAME, UNTRACKED_NAME, resolve, verify_hashes
 from hf_elixir.checkpoint.io import SafetensorsReader, dtype_name
+from hf_elixir.checkpoint.names import member
 from hf_elixir.checkpoint.reshard import SavedSlices
 from hf_elixir.runtime import state
 
@@ -154,19 +158,15 @@ def load(emodel, eoptimizer=None, directory: str | os.PathLike = None, *, schedu
     """
     if directory is None:
         raise TypeError("load() needs the checkpoint directory")
-    comm = emodel.comm
-    prepared, error = None, None
+    # this rank's checks, then one agreement: an exception of any type on one rank makes
+    # every rank raise here (common.agree), none waits in a collective forever
+    part = LocalPart.run(_prepare_load, emodel, eoptimizer, scheduler, Path(directory).absolute(), verify)
+    prepared = part.value
     try:
-        prepared = _prepare_load(emodel, eoptimizer, scheduler, Path(directory).absolute(), verify)
-    except CheckpointError as e:
-        error = str(e)
-    except OSError as e:
-        error = f"{directory}: {e}"
-    try:
-        raise_if_any(comm, error)
+        agree(emodel.comm, part, f"loading {directory}")
         if prepared["frozen_dtype"] is not None:  # the same on every rank: read from one index
             _checkfrozen_digests(emodel, prepared["index"], prepared["path"], prepared["frozen_dtype"])
-    except CheckpointError:
+    except BaseException:
         if prepared is not None:
             prepared["source"].close()
         raise
@@ -219,12 +219,22 @@ def _prepare_load(emodel, eoptimizer, scheduler, directory: Path, verify: bool) 
 
 
 def _read_json(path: Path, name: str, index: dict) -> Any:
+    """A small JSON file of the checkpoint, checked against the size and sha256 the index
+    records (always: it is read whole anyway, and a same-size change would silently alter
+    the learning rate, the betas or the schedule on resume). The bytes hashed are the bytes
+    parsed."""
     if name not in index["files"]:
         raise CheckpointError(f"{path}: the index lists no {name}; the checkpoint is corrupted")
+    fpath = member(path, name, str(path / INDEX_NAME))
+    data = fpath.read_bytes()
+    info = index["files"][name]
+    if len(data) != info["size"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+        raise CheckpointError(f"{fpath}: contents do not match the size and sha256 recorded in the index; the "
+                              "file is corrupted or was edited: restore it, or load an earlier checkpoint")
     try:
-        return json.loads((path / name).read_text())
+        return json.loads(data.decode())
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path / name}: not valid JSON ({e}); the file is corrupted") from None
+        raise CheckpointError(f"{fpath}: not valid JSON ({e}); the file is corrupted") from None
 
 
 def _check_keys(reader: SafetensorsReader, fname: str, index: dict, eoptimizer) -> None:

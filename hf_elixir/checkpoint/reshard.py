@@ -16,16 +16,19 @@ from typing import Optional
 
 import torch
 
-from hf_elixir.checkpoint.index import UNTRACKED_NAME
+from hf_elixir.checkpoint.index import INDEX_NAME, UNTRACKED_NAME
 from hf_elixir.checkpoint.io import SafetensorsReader
+from hf_elixir.checkpoint.names import check_index_names, member
 
 
 class SavedSlices:
     """A saved checkpoint's slices: reads any element range of a saved parameter (or of its
     optimizer state) by copying the overlapping parts of the saved slices; files are opened
-    on first use."""
+    on first use. Whatever index it is given, its file names are checked first to be files
+    of the checkpoint's folder (``names.py``), and again where a name is joined to it."""
 
     def __init__(self, path: Path, index: dict) -> None:
+        check_index_names(path, index, str(path / INDEX_NAME))
         self.path = path
         self.index = index
         self.params = {p["name"]: p for p in index["params"]}
@@ -34,7 +37,7 @@ class SavedSlices:
 
     def reader(self, fname: str) -> SafetensorsReader:
         if fname not in self._readers:
-            self._readers[fname] = SafetensorsReader(self.path / fname)
+            self._readers[fname] = SafetensorsReader(member(self.path, fname, str(self.path / INDEX_NAME)))
         return self._readers[fname]
 
     def close(self) -> None:

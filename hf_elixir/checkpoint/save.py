@@ -42,13 +42,14 @@ import torch
 
 from hf_elixir.checkpoint import atomic
 from hf_elixir.checkpoint import frozen as frz
-from hf_elixir.checkpoint.common import all_gather_object, frozen_digests, to_json_value, whole_tensors
+from hf_elixir.checkpoint.common import LocalPart, agree, frozen_digests, to_json_value, whole_tensors
 from hf_elixir.checkpoint.errors import CheckpointError
 from hf_elixir.checkpoint.index import (
     EXTRA_NAME, FORMAT, FORMAT_VERSION, INDEX_NAME, OPTIMIZER_STATE_NAME, PLAIN_FORMAT_VERSION,
     SCHEDULER_NAME, UNTRACKED_NAME, model_file, optimizer_file, read_index,
 )
 from hf_elixir.checkpoint.io import SafetensorsWriter, TensorSpec, dtype_name, file_sha256, write_json, write_safetensors
+from hf_elixir.checkpoint.names import member, plain_name
 from hf_elixir.runtime import state
 
 
@@ -69,20 +70,11 @@ def save(emodel, eoptimizer, directory: str | os.PathLike, extra: Optional[dict]
     fault = atomic.FaultInjector.from_env(rank)
     extra = dict(extra or {})
 
+    # Each step below is a local part on each rank and one agreement (common.agree): an
+    # exception of any type on one rank makes every rank raise there, none waits forever.
     # ---- rank 0 checks the target and picks the temporary name; every rank learns both
-    prep: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            json_extra = {k: v for k, v in extra.items() if k not in ("tokenizer", "files")}
-            to_json_value(json_extra, "extra")
-            _prepare_target(final)
-            prep = {"nonce": uuid.uuid4().hex[:12], "error": None}
-        except (CheckpointError, OSError) as e:
-            prep = {"nonce": None, "error": str(e)}
-    prep = all_gather_object(comm, prep)[0]
-    if prep["error"]:
-        raise CheckpointError(prep["error"])
-    nonce = prep["nonce"]
+    part = LocalPart.run(_prepare, final, extra) if rank == 0 else LocalPart()
+    nonce = agree(comm, part, f"saving {final}", share=part.value)[0]
     tmp = atomic.tmp_name(final, nonce)
 
     # ---- the frozen weights' digests (each rank adds up its own shards; nothing is gathered)
@@ -91,31 +83,49 @@ def save(emodel, eoptimizer, directory: str | os.PathLike, extra: Optional[dict]
         dtypes = frz.digest_dtypes_for_save(frz.held_dtype(emodel))
         frozen_entry = frz.index_entry(emodel, frozen_digests(emodel, dtypes))
 
+    failed = f"saving {final} failed, the previous checkpoint (if any) is unchanged"
     # ---- phase 1: every rank writes its shards
-    info, error = None, None
+    part = LocalPart.run(_write_shards, emodel, eoptimizer, tmp, fault)
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
-        info = _write_rank_files(emodel, eoptimizer, tmp, fault)
-    except (OSError, CheckpointError) as e:
-        error = f"rank {rank}: writing {tmp}: {e}"
-    infos = all_gather_object(comm, (info, error))
-    errors = [e for _, e in infos if e]
-    # ---- phase 2: rank 0 writes the rest, the index, and commits
-    status = None
-    if rank == 0:
-        try:
-            if errors:
-                raise CheckpointError("; ".join(errors))
-            _write_rank0_files(emodel, eoptimizer, scheduler, extra, tmp, [i for i, _ in infos], fault,
-                               frozen=frozen_entry)
-            atomic.commit(tmp, final, nonce, fault)
-        except (OSError, CheckpointError) as e:
+        infos = agree(comm, part, f"{failed}: rank {rank} writing {tmp}", share=part.value)
+    except BaseException:
+        if rank == 0:  # every rank has stopped writing: the agreement is past
             shutil.rmtree(tmp, ignore_errors=True)
-            status = str(e)
-    status = all_gather_object(comm, status)[0]
-    if status:
-        raise CheckpointError(f"saving {final} failed, the previous checkpoint (if any) is unchanged: {status}")
+        raise
+    # ---- phase 2: rank 0 writes the rest, the index, and commits
+    part = LocalPart()
+    if rank == 0:
+        part = LocalPart.run(_finish, emodel, eoptimizer, scheduler, extra, tmp, final, nonce, infos, fault,
+                             frozen_entry)
+    agree(comm, part, failed)
     return final
+
+
+def _prepare(final: Path, extra: dict) -> str:
+    """Rank 0's check of the target and of ``extra``; the temporary folder's nonce."""
+    json_extra = {k: v for k, v in extra.items() if k not in ("tokenizer", "files")}
+    to_json_value(json_extra, "extra")
+    for fname in extra.get("files") or {}:
+        plain_name(fname, "extra['files']")
+    _prepare_target(final)
+    return uuid.uuid4().hex[:12]
+
+
+def _write_shards(emodel, eoptimizer, tmp: Path, fault) -> dict[str, Any]:
+    tmp.mkdir(parents=True, exist_ok=True)
+    return _write_rank_files(emodel, eoptimizer, tmp, fault)
+
+
+def _finish(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, final: Path, nonce: str, infos: list,
+            fault, frozen: Optional[dict]) -> None:
+    """Rank 0: the small files, the index, and the commit; the temporary folder is removed
+    if any of it fails."""
+    try:
+        _write_rank0_files(emodel, eoptimizer, scheduler, extra, tmp, infos, fault, frozen=frozen)
+        atomic.commit(tmp, final, nonce, fault)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def _prepare_target(final: Path) -> None:
@@ -241,15 +251,16 @@ def _write_rank0_files(emodel, eoptimizer, scheduler, extra: dict, tmp: Path, ra
         fault("write tokenizer")
         tokenizer.save_pretrained(str(tmp))
     for fname, content in (extra.get("files") or {}).items():
-        if Path(fname).name != fname or fname in files or fname == INDEX_NAME:
-            raise CheckpointError(f"extra['files']: {fname!r} must be a plain file name not used by the checkpoint")
+        if fname in files or fname == INDEX_NAME:
+            raise CheckpointError(f"extra['files']: {fname!r} must be a file name not used by the checkpoint")
+        target = member(tmp, fname, "extra['files']")
         fault(f"write {fname}")
         if isinstance(content, (bytes, bytearray)):
-            (tmp / fname).write_bytes(content)
+            target.write_bytes(content)
         else:
-            shutil.copyfile(content, tmp / fname)
+            shutil.copyfile(content, target)
     for fname in sorted(set(os.listdir(tmp)) - before):
-        path = tmp / fname
+        path = member(tmp, fname, "the files saved beside the model")  # a reader would refuse it
         if not path.is_file():
             raise CheckpointError(f"{path}: extra files must be plain files, not folders")
         fault(f"fsync {fname}")
