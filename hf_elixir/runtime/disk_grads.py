@@ -36,7 +36,7 @@ from typing import Iterator, Optional, Union
 import torch
 
 from hf_elixir.planner.disk import GRAD_RING
-from hf_elixir.runtime.disk_io import DiskFile, RingBuffer, aligned
+from hf_elixir.runtime.disk_io import DiskFile, RingBuffer, aligned, settle_all
 
 #: the plane's name in a chunk's region (always its last plane)
 GRAD = "grad"
@@ -210,5 +210,9 @@ class DiskGrads:
     def settle(self) -> None:
         """Wait until every gradient written back has reached the file (before anything
         reads the planes from another thread or buffer)."""
-        for buf in self._ring:
-            buf.settle()
+        settle_all(self._ring)
+
+    @property
+    def buffers(self) -> list[RingBuffer]:
+        """The gradient ring (its I/O is waited for with the tier's: ``DiskTier.close``)."""
+        return self._ring

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -136,6 +136,19 @@ class RingBuffer:
     @property
     def busy(self) -> bool:
         return self.future is not None and not self.future.done()
+
+
+def settle_all(buffers: Iterable[RingBuffer]) -> None:
+    """Wait for the I/O in flight on every buffer, then raise the first error: one failed
+    transfer must not leave others running on a file that is about to be closed."""
+    first: Optional[BaseException] = None
+    for buf in buffers:
+        try:
+            buf.settle()
+        except BaseException as exc:  # re-raised once every transfer is over
+            first = first or exc
+    if first is not None:
+        raise first
 
 
 class DiskFile:

@@ -66,7 +66,7 @@ from hf_elixir.planner.record import ElixirPlan, chunk_layout
 from hf_elixir.profile.params import chunk_numel
 from hf_elixir.runtime.disk_grads import GRAD, DiskGrads
 from hf_elixir.runtime.disk_folder import DATA_NAME, DIR_PREFIX, ENV, LOCK_NAME, claim
-from hf_elixir.runtime.disk_io import ALIGN, DiskFile, DiskTierError, RingBuffer, aligned, pad
+from hf_elixir.runtime.disk_io import ALIGN, DiskFile, DiskTierError, RingBuffer, aligned, pad, settle_all
 from hf_elixir.vocab import format_bytes
 
 #: the most optimizer-state planes a supported optimizer keeps (Adam's two moments)
@@ -326,9 +326,7 @@ class DiskTier:
         return next((b for b in self._ring if b.cid == cid), None)
 
     def _settle_all(self) -> None:
-        for buf in self._ring:
-            buf.settle()
-        self.grads.settle()
+        settle_all([*self._ring, *self.grads.buffers])
 
     def _free_buffer(self, block: bool) -> Optional[RingBuffer]:
         """A buffer to read into: an empty one, else the least recently used one not held,
