@@ -61,7 +61,8 @@ def aligned(nbytes: int) -> torch.Tensor:
     return raw[skip : skip + nbytes].view(torch.float32)
 
 
-def _bytes(t: torch.Tensor) -> memoryview:
+def byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (contiguous) as ``os.preadv``/``os.pwritev`` take them, no copy."""
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
@@ -202,7 +203,7 @@ class DiskFile:
             return {k: v for k, v in vars(self.counters).items() if k not in ("active", "busy_since")}
 
     def _transfer(self, call, view: torch.Tensor, offset: int) -> None:
-        data = _bytes(view)
+        data = byte_view(view)
         done, counters = 0, self.counters
         with self.lock:
             start = time.perf_counter()

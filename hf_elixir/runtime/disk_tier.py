@@ -37,8 +37,8 @@ The scratch files are the run's own, never a checkpoint:
   the other ranks stop at their next collective with this one, or when the launcher ends
   them (torchrun sends SIGTERM to the others when one worker fails);
 - the files are removed when the module is closed, at a normal exit, when the tier is
-  garbage collected, or on SIGTERM (``disk_folder._on_sigterm``); never by a forked child, which
-  shares the parent's files.
+  garbage collected, or on SIGTERM (``disk_folder._on_sigterm``); never by a forked
+  child, which shares the parent's files.
 
 One consumer of the optimizer ring at a time: the host update thread during its step, the
 main thread otherwise (every reader of the whole state waits for that thread first); the
@@ -66,7 +66,8 @@ from hf_elixir.planner.record import ElixirPlan, chunk_layout
 from hf_elixir.profile.params import chunk_numel
 from hf_elixir.runtime.disk_grads import GRAD, DiskGrads
 from hf_elixir.runtime.disk_folder import DATA_NAME, DIR_PREFIX, ENV, LOCK_NAME, claim
-from hf_elixir.runtime.disk_io import ALIGN, DiskFile, DiskTierError, RingBuffer, aligned, pad, settle_all
+from hf_elixir.runtime.disk_io import (ALIGN, DiskFile, DiskTierError, RingBuffer, aligned, byte_view, pad,
+                                        settle_all)
 from hf_elixir.vocab import format_bytes
 
 #: the most optimizer-state planes a supported optimizer keeps (Adam's two moments)
@@ -263,8 +264,7 @@ class DiskTier:
         every transfer of the tier is aligned; the refusal's reason if the file system
         refuses it (EINVAL: it wants another alignment, or no direct I/O after all), None if
         it works. Other errors (a full disk) are the tier's errors, raised now."""
-        block = aligned(ALIGN).zero_()
-        view = memoryview(block.view(torch.uint8).numpy()).cast("B")
+        view = byte_view(aligned(ALIGN).zero_())
         try:
             written = os.pwritev(fd, [view], 0)
             read = os.preadv(fd, [view], 0) if written == ALIGN else 0
