@@ -10,15 +10,16 @@ a plan's chunks, when the plan is built.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-import torch
 from torch import nn
 
 from hf_elixir.profile.memory import run_step
 from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing
 from hf_elixir.profile.trace import ExecutionTracer, build_meta_model, find_borrowed_reads, make_batch, set_training
+from hf_elixir.profile.untouched import left_as_found
 
 
 @dataclass
@@ -67,21 +68,49 @@ def rcache_minimum(pins: Sequence[tuple[str, str]], module_params: Mapping[str, 
     return most
 
 
+class RealStepWarning(UserWarning):
+    """Planning ran one real step of the user's model because its meta copy could not run."""
+
+
+#: the processes' ``RealStepWarning`` is given once: a model planned again costs the same
+_warned: list[bool] = []
+
+
 def trace_fetch_needs(model: nn.Module, example_batch: Any, fetch_units: Sequence[str],
                       checkpointing: bool) -> FetchNeeds:
     """Trace one step of a meta copy of ``model`` (never touching its memory) and return
     what it needs. Where the meta device cannot run the model, the real model runs one
-    step instead (gradients dropped, RNG restored)."""
+    step instead, with a ``RealStepWarning`` (once per process) naming the meta error, and
+    is left as it was found (``profile.untouched``): its user's hooks do not see the step."""
     try:
         with _nonzero_on_meta():
             return _trace(build_meta_model(model), example_batch, fetch_units, checkpointing)
-    except Exception:
+    except Exception as exc:
         if any(p.is_meta for p in model.parameters()):
             raise
+        meta_error = exc
     # Data-dependent shapes the meta device cannot follow (byte patching, ``.tolist()``):
-    # trace the real model instead, once, leaving its gradients and the RNG untouched.
-    with torch.random.fork_rng(devices=[]):
+    # trace the real model instead, once, and put back all the step changed.
+    _warn_real_step(model, meta_error)
+    with left_as_found(model):
         return _trace(model, example_batch, fetch_units, checkpointing)
+
+
+def _warn_real_step(model: nn.Module, meta_error: Exception) -> None:
+    """Say, once per process, that planning runs the real model and what that costs."""
+    if _warned:
+        return
+    _warned.append(True)
+    device = next(model.parameters()).device
+    warnings.warn(
+        f"hf_elixir could not trace {type(model).__name__} on the meta device "
+        f"({type(meta_error).__name__}: {meta_error}), so planning runs one real forward and "
+        f"backward of the model on a synthetic batch instead: one training step's time and "
+        f"activation memory on {device}. The model is left as it was found (training flags, "
+        "checkpointing, buffers, gradients, random state) and its own hooks do not see the step. "
+        "A forward the meta device can run (nothing that reads its inputs on the host, such as .tolist()) avoids it.",
+        RealStepWarning, stacklevel=3,
+    )
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_flatten
 
 from hf_elixir.profile.grad_marks import alias_inputs, on_output_grad
 from hf_elixir.profile.params import detect_fetch_units, is_packed
+from hf_elixir.profile.user_hooks import drop_user_hooks
 from hf_elixir.vocab import torch_dtype as _torch_dtype
 from hf_elixir.profile.memory import LiveStorageTracker
 
@@ -104,8 +105,10 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32",
     with every parameter and buffer replaced by a meta tensor of the same shape, so even a real
     model is never duplicated in memory; tied parameters stay tied). Floating-point parameters
     take the compute ``dtype``, as the runtime casts them; packed 4-bit weights keep theirs.
-    Submodules in ``leave_out`` are not copied: their places in the copy hold None (the
-    caller removes them; ``profile.fold`` copies a few layers of a deep model).
+    The copy keeps the hooks libraries registered and none of the user's
+    (``profile.user_hooks``). Submodules in ``leave_out`` are not copied: their places in
+    the copy hold None (the caller removes them; ``profile.fold`` copies a few layers of a
+    deep model).
     """
     torch_dtype = _torch_dtype(dtype)
     if isinstance(model_or_config, nn.Module):
@@ -125,7 +128,7 @@ def build_meta_model(model_or_config: Any, dtype: str | torch.dtype = "float32",
         meta = copy.deepcopy(model_or_config, memo)
         rebind_patched_forwards(model_or_config, meta, memo)
         set_training(meta, model_or_config.training)
-        return meta
+        return drop_user_hooks(meta)  # a hook counting or logging calls must not see planning
     from transformers import AutoModelForCausalLM, PretrainedConfig
 
     if not isinstance(model_or_config, PretrainedConfig):
