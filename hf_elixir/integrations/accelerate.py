@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from hf_elixir import checkpoint
+from hf_elixir.integrations.compiling import compile_request
 from hf_elixir.integrations.lazy import LazyElixirModule, NotShardedYetError
 from hf_elixir.integrations.planning import (
     batch_shape_from_loader, compute_dtype, machines_from_env, make_plan, optimizer_kind,
@@ -35,6 +36,11 @@ from hf_elixir.integrations.process_exit import destroy_process_groups_at_exit
 from hf_elixir.runtime import ElixirModule, ElixirOptimizer
 
 ELIXIR_STATE_DIR = "elixir_state"  # sharded checkpoint folder inside a save_state / Trainer checkpoint
+
+
+def _compile_line(emodel: ElixirModule) -> str:
+    """The runtime's compile line under the plan's summary, when compile was asked for."""
+    return f"\n{emodel.compiled.describe()}" if emodel.compiled.options is not None else ""
 
 
 def _elixir_state_dir(directory: str | os.PathLike, index: int) -> Path:
@@ -169,13 +175,16 @@ class ElixirAccelerator(Accelerator):
             return existing
         dtype, kind, shape = compute_dtype(self.mixed_precision), optimizer_kind(optimizer), self._planning_shape()
         plugin = self.elixir_plugin
+        compiled, note = compile_request(self.state.dynamo_plugin, plugin.compile)
+        if note and self.is_main_process:
+            print(note, flush=True)
         if shape is None and plugin.plan == "auto" and not plugin.pinned:
             # No batch shape yet (no loader with this prepare, or one that cannot tell it
             # without being drawn from): plan on the first forward, from its real inputs.
             lazy = LazyElixirModule(
                 model, lambda first: self._plan_for_first_forward(model, first, dtype),
                 device=self.device, on_shard=self._on_lazy_shard, recover_oom=plugin.recover_oom,
-                nvme_path=plugin.nvme_path)
+                nvme_path=plugin.nvme_path, compile=compiled)
             self._elixir_modules.append(lazy)
             self._models.append(lazy)
             if self.is_main_process:
@@ -187,12 +196,12 @@ class ElixirAccelerator(Accelerator):
                          batch_shape=shape, machines=machines_from_env(self.num_processes),
                          split_batches=self.elixir_split_batches)
         emodel = ElixirModule(model, plan, device=self.device, recover_oom=plugin.recover_oom,
-                              nvme_path=plugin.nvme_path)
+                              nvme_path=plugin.nvme_path, compile=compiled)
         self._elixir_modules.append(emodel)
         self._models.append(emodel)
         if self.is_main_process:
             print(f"hf_elixir is active on {self.num_processes} process(es) "
-                  f"({self.distributed_type.value}):\n{plan.summary()}", flush=True)
+                  f"({self.distributed_type.value}):\n{plan.summary()}{_compile_line(emodel)}", flush=True)
         return emodel
 
     def _plan_for_first_forward(self, model: nn.Module, shape: tuple[int, int], dtype: str):
@@ -216,7 +225,8 @@ class ElixirAccelerator(Accelerator):
                 opt.shard()
         if self.is_main_process:
             print(f"hf_elixir sharded the model on its first forward (batch {emodel.plan.predictions.get('batch_size', '?')}"
-                  f" x sequence {emodel.plan.predictions.get('seq_len', '?')}):\n{emodel.plan.summary()}", flush=True)
+                  f" x sequence {emodel.plan.predictions.get('seq_len', '?')}):\n{emodel.plan.summary()}"
+                  f"{_compile_line(emodel)}", flush=True)
         loads, self._elixir_pending_loads = self._elixir_pending_loads, []
         for directory in loads:
             for i, (module, opt) in enumerate(self._elixir_pairs()):

@@ -51,16 +51,16 @@ class LazyElixirModule(ElixirModule):
         on_shard: called with this module once it is sharded, before that forward runs (the
             accelerator wraps the optimizers prepared beside it and applies a pending
             ``load_state`` there).
-        recover_oom, nvme_path: as for ElixirModule.
+        recover_oom, nvme_path, compile: as for ElixirModule.
     """
 
     def __init__(self, model: nn.Module, make_plan: Callable[[tuple[int, int]], ElixirPlan],
                  device: torch.device, on_shard: Callable[["LazyElixirModule"], None],
-                 recover_oom: bool = True, nvme_path: Optional[str] = None) -> None:
+                 recover_oom: bool = True, nvme_path: Optional[str] = None, compile: Any = None) -> None:
         nn.Module.__init__(self)
         self.module = model
         self.__dict__["_lazy"] = {"make_plan": make_plan, "device": device, "on_shard": on_shard,
-                                  "recover_oom": recover_oom, "nvme_path": nvme_path}
+                                  "recover_oom": recover_oom, "nvme_path": nvme_path, "compile": compile}
 
     @property
     def sharded(self) -> bool:
@@ -98,7 +98,8 @@ class LazyElixirModule(ElixirModule):
         del self.__dict__["_lazy"]
         try:
             ElixirModule.__init__(self, self._modules["module"], plan, device=device,
-                                  recover_oom=lazy["recover_oom"], nvme_path=lazy["nvme_path"])
+                                  recover_oom=lazy["recover_oom"], nvme_path=lazy["nvme_path"],
+                                  compile=lazy["compile"])
         except BaseException:
             self.__dict__["_lazy"] = lazy
             raise

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
+from hf_elixir.runtime.compiled import CompileError, CompileOptions
 from hf_elixir.runtime.disk_tier import DiskTierError, check_path
 from hf_elixir.vocab import HfElixirError
 
@@ -88,6 +89,9 @@ class ElixirPlugin:
         "`measure`, `calibrated`, or a number", "`auto`")
     recover_oom: Optional[Union[str, bool]] = _option(
         "re-plan and redo a step that runs out of memory instead of stopping (docs/recovery.md)", "`true`")
+    compile: Optional[Union[str, bool]] = _option(
+        "torch.compile each decoder block, hooks outside: `true` (inductor), a backend name, or `false`; "
+        "the Trainer's `torch_compile` and Accelerate's `dynamo_backend` ask for it too", "`false`")
     _from_env: list[str] = field(default_factory=list, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +112,7 @@ class ElixirPlugin:
         self.seq_len = _number("seq_len", self.seq_len, int, minimum=1)
         self.efficiency = _efficiency(self.efficiency if self.efficiency is not None else "auto")
         self.recover_oom = _boolean("recover_oom", self.recover_oom, default=True)
+        self.compile = _compile(self.compile)
         if self.nvme_path is not None:  # its free space is checked against the plan when sharding
             try:
                 self.nvme_path = str(check_path(str(self.nvme_path), 0))
@@ -256,6 +261,15 @@ def _word_or_number(name: str, value: Any, words: tuple[str, ...], valid: Callab
     if number is None or not valid(number):
         raise ElixirConfigError(f"elixir option {name}: {value!r} is not one of {', '.join(words)} or {expected}")
     return number
+
+
+def _compile(value: Union[str, bool, None]) -> str:
+    """``off``, or the backend to compile each block with (checked against torch's list)."""
+    try:
+        options = CompileOptions.parse(value)
+    except CompileError as e:
+        raise ElixirConfigError(f"elixir option compile: {e}") from None
+    return "off" if options is None else str(options.backend)
 
 
 def _checkpointing(value: Union[str, bool]) -> str:

@@ -19,6 +19,9 @@ CATEGORIES = (
     "master_weights",    # fp32 master shards on the device (none where the master is the shard)
     "optimizer_state",   # optimizer moments on the device
     "temporary",         # short-lived gathers for state_dict and similar
+    # saved activations of blocks whose policy offloads them, while on the device (the
+    # block running and the one whose copy is in flight: runtime/activation_offload.py)
+    "offloaded_activations",
 )
 
 

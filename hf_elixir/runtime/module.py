@@ -21,6 +21,8 @@ from torch import nn
 from hf_elixir.planner.record import ElixirPlan, PlanError, chunk_layout
 from hf_elixir.profile.params import chunk_numel, is_packed
 from hf_elixir.profile.profiler import enable_checkpointing, model_checkpoints
+from hf_elixir.runtime.activation_offload import ActivationOffloader
+from hf_elixir.runtime.block_policies import BlockPolicies, check_block_policies, uses_checkpointing
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
@@ -88,13 +90,14 @@ class ElixirModule(nn.Module):
             process_group is not None or (dist.is_available() and dist.is_initialized())
         ) else 1
         plan.validate(model, world_size=world_size)
-        if plan.activation_checkpointing and not (
+        if uses_checkpointing(plan) and not (
             hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
         ):
             raise PlanError(
                 f"the plan checkpoints activations but {type(model).__name__} has no "
                 "gradient_checkpointing_enable(); make a plan without activation checkpointing"
             )
+        check_block_policies(model, plan)
         disk_plan = prepare_disk(plan, model, world_size, resolve_device(device), nvme_path)
         # ---- validated: from here on the model is changed
         super().__init__()
@@ -124,10 +127,15 @@ class ElixirModule(nn.Module):
         # released weight enters a custom Function (whose apply() bypasses __torch_function__)
         self._placeholder = torch.zeros(1, dtype=self.dtype, device=self.device)
         self._own_checkpointing = False  # whether this runtime turned the model's checkpointing on
-        if plan.activation_checkpointing and not model_checkpoints(model):
+        if uses_checkpointing(plan) and not model_checkpoints(model):
             # the model's own setting, when on, is the user's (layers, offload): kept as it is
             enable_checkpointing(model)
             self._own_checkpointing = True
+        #: the saved activations of blocks the plan offloads (runtime/activation_offload.py),
+        #: and each block's policy (runtime/block_policies.py)
+        self.activations = ActivationOffloader(self.device, self.ledger)
+        self.block_policies = BlockPolicies(model, self.activations)
+        self.block_policies.apply(plan)
         prepare_packed_layers(model, self.device)
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
@@ -452,6 +460,7 @@ class ElixirModule(nn.Module):
             [c.full_bytes for c in self.chunks if not c.in_place] or [self.plan.chunk_size * self.dtype.itemsize])
         report["rcache_blocks"] = self.plan.rcache_blocks
         report["cache_stats"] = dict(vars(self.cache.stats))
+        report["activation_offload"] = self.activations.report()
         report["comm"] = self.comm_report()
         return report
 

@@ -41,6 +41,7 @@ import torch
 from hf_elixir.planner.record import ElixirPlan, PlanError
 from hf_elixir.planner.replan import memory_target, same_packing, tighten
 from hf_elixir.profile.profiler import disable_checkpointing, enable_checkpointing, model_checkpoints
+from hf_elixir.runtime.block_policies import check_block_policies, uses_checkpointing
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import ChunkState
 from hf_elixir.runtime.faults import FaultInjector
@@ -475,14 +476,17 @@ def adopt_plan(m: Any, plan: ElixirPlan) -> None:
     if not same_packing(m.plan, plan):
         raise PlanError("adopt_plan needs a plan with the same chunks and placements as the current one")
     plan.validate(m.module, world_size=m.comm.world_size)
+    check_block_policies(m.module, plan)
     m.release_all()
     m.fetcher.free_all()
-    if plan.activation_checkpointing and not model_checkpoints(m.module):
+    m.block_policies.restore()
+    if uses_checkpointing(plan) and not model_checkpoints(m.module):
         enable_checkpointing(m.module)
         m._own_checkpointing = True
-    elif not plan.activation_checkpointing and m._own_checkpointing:
+    elif not uses_checkpointing(plan) and m._own_checkpointing:
         disable_checkpointing(m.module)
         m._own_checkpointing = False
+    m.block_policies.apply(plan)
     m.cache = RCache(plan.rcache_blocks, agree=m.cache.agree)
     m.fetcher.cache = m.hooks.cache = m.cache
     m.fetcher.prefetch_depth = plan.prefetch_depth
