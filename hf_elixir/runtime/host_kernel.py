@@ -13,10 +13,18 @@ each gradient by it as it reads it, as ``grad.mul_(factor)`` would have in a pas
 the copy is fp16 (where the compiler converts to it: ``OnePassAdam.copy_dtypes``; the
 vectorised loop writes a cache-sized fp32 block, which the hardware conversion then reads).
 
-The loop is a few lines of C (``_SOURCE``), compiled for this machine's CPU the first time a
-process needs it (``cc -O3 -march=native``, about a second) and kept in the calibration cache
-(``hardware.cache_root()/kernels``), one file per source, compiler and CPU; later processes
-load it in milliseconds. It is called through ``ctypes``, which releases the GIL for the
+The loop is a few lines of C (``host_adam.c``, beside this module), compiled for this
+machine's CPU the first time a process needs it (``cc -O3 -march=native``, about a second)
+and kept in the calibration cache (``hardware.cache_root()/kernels``), one file per source,
+compiler and CPU; later processes load it in milliseconds. Loading a library runs its
+constructors, before any check of its numbers, so the cache is trusted only as far as it is
+this user's alone: the folder must be a real folder of this user's that no one else can
+write (else nothing in it is loaded or built, and the update falls back, saying why), and a
+file in it is loaded only if it is this user's, no one else can write it, and its sha256 is
+the one recorded beside it at its build (``host_adam-<key>.so.sha256``). The file checked is
+the file loaded (through its open descriptor). A file that fails these checks, or does not
+load (a corrupt file, a missing function), is built again under its name, with a warning
+that says why. It is called through ``ctypes``, which releases the GIL for the
 call, so the host-update thread runs it while the main thread drives the next forward
 (``torch.compile`` would also fuse the loop, but its CPU kernels hold the GIL under the
 default wrapper, and every process pays seconds to trace and load them). The rank's host
@@ -36,7 +44,8 @@ differently): ``check`` compares the two on sample data when the library loads, 
 run goes through the same loop (overlapped and inline, the host and the disk tiers), so
 those agree with each other exactly.
 
-Where no C compiler is found, the build fails, or ``HF_ELIXIR_HOST_KERNEL=torch`` is set,
+Where no C compiler is found, the build fails or runs past :data:`BUILD_TIMEOUT_S`, the
+kernel folder is not private, or ``HF_ELIXIR_HOST_KERNEL=torch`` is set,
 ``OnePassAdam.usable`` is False and the optimizer keeps PyTorch's fused kernel and a
 separate cast; ``why_not`` says why.
 """
@@ -50,17 +59,21 @@ import os
 import platform
 import re
 import shutil
+import stat
 import subprocess
 import tempfile
 import threading
 import warnings
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from importlib import resources
 from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
 from hf_elixir.hardware import cache_root
+from hf_elixir.runtime.private_dir import UntrustedFolderError, private_directory
 
 #: ``torch`` keeps PyTorch's fused kernel and a separate cast for the host update
 KERNEL_ENV = "HF_ELIXIR_HOST_KERNEL"
@@ -70,153 +83,10 @@ TOLERANCE = 1e-6
 #: runs shorter than this are not split between threads (a part's hand-over costs more)
 SPLIT_AT = 1 << 16
 
-_SOURCE = r"""
-#include <math.h>
-#include <stdint.h>
-#include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
-#if defined(__F16C__) || defined(__FLT16_MAX__)
-#define HAS_FP16 1
-#else
-#define HAS_FP16 0
-#endif
-
-/* fp32 -> bf16 as PyTorch casts: to nearest, ties to even; NaN to 0x7FC0 */
-static inline uint16_t to_bf16(float x) {
-    uint32_t bits;
-    memcpy(&bits, &x, sizeof bits);
-    uint32_t rounded = (bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16;
-    return (uint16_t)(x != x ? 0x7FC0u : rounded);
-}
-
-static inline float from_bf16(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float x;
-    memcpy(&x, &bits, sizeof x);
-    return x;
-}
-
-/* one Adam(W) update of n elements, in PyTorch's fused kernel's order of operations; the
-   constant flags make each call below a loop of its own, vectorised without branches */
-static inline void adam(float *restrict param, const void *restrict grad, float *restrict exp_avg,
-                        float *restrict exp_avg_sq, void *restrict out, int64_t n, const float *s,
-                        const int grad_bf16, const int out_kind, const int decoupled, const int maximize) {
-    const float decay = s[0], one_minus_beta1 = s[1], beta2 = s[2], one_minus_beta2 = s[3], eps = s[4],
-                step_size = s[5], bc2_sqrt = s[6], factor = s[7];
-    const float *g32 = (const float *)grad;
-    const uint16_t *g16 = (const uint16_t *)grad;
-    float *o32 = (float *)out;
-    uint16_t *o16 = (uint16_t *)out;
-    for (int64_t i = 0; i < n; i++) {
-        /* the clipping factor, rounded as a separate fp32 multiply rounds it (1 is exact) */
-        float g = (grad_bf16 ? from_bf16(g16[i]) : g32[i]) * factor;
-        if (maximize) g = -g;
-        float p = param[i];
-        if (decoupled) p = p * decay; else g = g + decay * p;
-        float m = exp_avg[i] + (g - exp_avg[i]) * one_minus_beta1;
-        float v = exp_avg_sq[i] * beta2 + (g * g) * one_minus_beta2;
-        float denom = sqrtf(v) / bc2_sqrt + eps;
-        p = p - step_size * m / denom;
-        param[i] = p;
-        exp_avg[i] = m;
-        exp_avg_sq[i] = v;
-        if (out_kind == 1) o32[i] = p;
-        if (out_kind == 2) o16[i] = to_bf16(p);
-    }
-}
-
-/* fp32 -> fp16 as PyTorch's CPU cast: the hardware conversion, to nearest, ties to even
-   (NaN: quiet, the payload's top bits kept) */
-static void to_fp16(const float *restrict src, uint16_t *restrict dst, int64_t n) {
-    int64_t i = 0;
-#if defined(__F16C__)
-    for (; i + 8 <= n; i += 8)
-        _mm_storeu_si128((__m128i *)(dst + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
-    for (; i < n; i++)
-        dst[i] = _cvtss_sh(src[i], _MM_FROUND_TO_NEAREST_INT);
-#elif defined(__FLT16_MAX__)
-    for (; i < n; i++) {
-        _Float16 h = (_Float16)src[i];
-        memcpy(dst + i, &h, sizeof h);
-    }
-#else
-    (void)src; (void)dst; (void)n; (void)i;
-#endif
-}
-
-/* 1 where the loop writes an fp16 copy */
-int hf_elixir_fp16(void) {
-#if HAS_FP16
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-int hf_elixir_adam(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out, int64_t n,
-                   const float *s, int grad_bf16, int out_kind, int decoupled, int maximize);
-
-/* the fp16 copy: the vectorised loop writes an fp32 block that stays in the cache, which
-   the conversion then reads (compilers do not vectorise the conversion inside the loop) */
-static int adam_fp16(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, uint16_t *out, int64_t n,
-                     const float *s, int grad_bf16, int decoupled, int maximize) {
-    float block[1024];
-    const int64_t grad_size = grad_bf16 ? 2 : 4;
-    for (int64_t lo = 0; lo < n; lo += 1024) {
-        const int64_t m = n - lo < 1024 ? n - lo : 1024;
-        if (hf_elixir_adam(param + lo, (const char *)grad + grad_size * lo, exp_avg + lo, exp_avg_sq + lo, block, m,
-                           s, grad_bf16, 1, decoupled, maximize))
-            return 1;
-        to_fp16(block, out + lo, m);
-    }
-    return 0;
-}
-
-#define CASE(GB, OK, DE, MA) \
-    if (grad_bf16 == GB && out_kind == OK && decoupled == DE && maximize == MA) { \
-        adam(param, grad, exp_avg, exp_avg_sq, out, n, s, GB, OK, DE, MA); return 0; }
-#define CASES(GB, OK) CASE(GB, OK, 0, 0) CASE(GB, OK, 0, 1) CASE(GB, OK, 1, 0) CASE(GB, OK, 1, 1)
-
-/* grad_bf16: the gradient is bf16 (else fp32); out_kind: 0 no copy, 1 an fp32 copy, 2 bf16,
-   3 fp16 (where hf_elixir_fp16) */
-int hf_elixir_adam(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out, int64_t n,
-                   const float *s, int grad_bf16, int out_kind, int decoupled, int maximize) {
-    CASES(0, 0) CASES(0, 1) CASES(0, 2) CASES(1, 0) CASES(1, 1) CASES(1, 2)
-    if (out_kind == 3 && HAS_FP16)
-        return adam_fp16(param, grad, exp_avg, exp_avg_sq, (uint16_t *)out, n, s, grad_bf16, decoupled, maximize);
-    return 1;
-}
-
-/* 1 where built with OpenMP: hf_elixir_adam_parallel runs its parts on OpenMP's threads */
-int hf_elixir_openmp(void) {
-#ifdef _OPENMP
-    return 1;
-#else
-    return 0;
-#endif
-}
-
-/* hf_elixir_adam over `parts` contiguous parts of the run, each a whole number of cache
-   lines, one per thread of the OpenMP runtime PyTorch loaded (in order without OpenMP) */
-int hf_elixir_adam_parallel(float *param, const void *grad, float *exp_avg, float *exp_avg_sq, void *out,
-                            int64_t n, const float *s, int grad_bf16, int out_kind, int decoupled, int maximize,
-                            int parts) {
-    const int64_t grad_size = grad_bf16 ? 2 : 4, out_size = out_kind >= 2 ? 2 : 4;
-    const int64_t per = ((n + parts - 1) / parts + 63) / 64 * 64;
-    int rc = 0;
-#pragma omp parallel for num_threads(parts) schedule(static, 1) reduction(|:rc)
-    for (int part = 0; part < parts; part++) {
-        const int64_t lo = per * part, hi = lo + per < n ? lo + per : n;
-        if (lo < hi)
-            rc |= hf_elixir_adam(param + lo, (const char *)grad + grad_size * lo, exp_avg + lo, exp_avg_sq + lo,
-                                 out ? (char *)out + out_size * lo : out, hi - lo, s, grad_bf16, out_kind,
-                                 decoupled, maximize);
-    }
-    return rc;
-}
-"""
+#: the loop's C source, shipped in the package beside this module (package data)
+SOURCE_NAME = "host_adam.c"
+#: how long one compiler call may run before the build counts as failed (seconds)
+BUILD_TIMEOUT_S = 300
 
 _FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-std=c11")
 #: file names of the OpenMP runtimes PyTorch builds link (GNU's, Intel's, LLVM's)
@@ -272,48 +142,215 @@ def openmp_runtime() -> Optional[Path]:
     return found[0] if found else None
 
 
+def _source() -> str:
+    """The loop's C source (``host_adam.c``, shipped in the package)."""
+    try:
+        return resources.files(__package__).joinpath(SOURCE_NAME).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise KernelUnavailable(f"the package's {SOURCE_NAME} cannot be read ({exc}); reinstall hf_elixir") from None
+
+
 def _build(cc: str, source: Path, built: Path, runtime: Optional[Path]) -> Optional[str]:
     """Compile ``source`` into ``built``; with OpenMP, linked against ``runtime``, where that
-    works, else without. Returns the compiler's complaint, or None once built."""
-    if runtime is not None:
-        obj = built.with_suffix(".o")
-        steps = [[cc, *_FLAGS, "-fopenmp", "-c", str(source), "-o", str(obj)],
-                 [cc, "-shared", str(obj), "-o", str(built), str(runtime), f"-Wl,-rpath,{runtime.parent}", "-lm"]]
-        if all(subprocess.run(step, capture_output=True, timeout=300).returncode == 0 for step in steps):
-            return None
-    proc = subprocess.run([cc, *_FLAGS, "-shared", str(source), "-o", str(built), "-lm"], capture_output=True,
-                          text=True, timeout=300)
+    works, else without. Returns the compiler's complaint, or None once built. A compiler
+    that runs past :data:`BUILD_TIMEOUT_S` is a complaint too, not a second try."""
+    try:
+        if runtime is not None:
+            obj = built.with_suffix(".o")
+            steps = [[cc, *_FLAGS, "-fopenmp", "-c", str(source), "-o", str(obj)],
+                     [cc, "-shared", str(obj), "-o", str(built), str(runtime), f"-Wl,-rpath,{runtime.parent}",
+                      "-lm"]]
+            if all(subprocess.run(step, capture_output=True, timeout=BUILD_TIMEOUT_S).returncode == 0
+                   for step in steps):
+                return None
+        proc = subprocess.run([cc, *_FLAGS, "-shared", str(source), "-o", str(built), "-lm"], capture_output=True,
+                              text=True, timeout=BUILD_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return f"it ran past {BUILD_TIMEOUT_S} s"
     return None if proc.returncode == 0 else (proc.stderr or proc.stdout).strip()[-500:]
 
 
-def library_path() -> Path:
-    """Build the loop for this machine if no earlier process did; return the library."""
+@dataclass(frozen=True)
+class _Recipe:
+    """What the library is built from; the file's name carries a hash of all of it, so a new
+    source, compiler, CPU or OpenMP runtime is a new file."""
+
+    cc: str
+    source: str
+    runtime: Optional[Path]
+    name: str  # host_adam-<key>.so
+
+
+def _recipe() -> _Recipe:
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as exc:
         raise KernelUnavailable(f"the C compiler {cc!r} does not run: {exc}") from None
-    runtime = openmp_runtime()
-    key = hashlib.sha256("\0".join((_SOURCE, " ".join(_FLAGS), cc, version, _cpu_fingerprint(),
+    source, runtime = _source(), openmp_runtime()
+    key = hashlib.sha256("\0".join((source, " ".join(_FLAGS), cc, version, _cpu_fingerprint(),
                                     str(runtime))).encode())
-    directory = cache_root() / "kernels"
-    path = directory / f"host_adam-{key.hexdigest()[:20]}.so"
-    if path.exists():
-        return path
-    directory.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=directory) as scratch:
-        source = Path(scratch) / "host_adam.c"
-        source.write_text(_SOURCE)
-        built = Path(scratch) / path.name
-        error = _build(cc, source, built, runtime)
+    return _Recipe(cc, source, runtime, f"host_adam-{key.hexdigest()[:20]}.so")
+
+
+def kernel_folder() -> Path:
+    """``cache_root()/kernels``, made if missing (mode 0700); an
+    :class:`~hf_elixir.runtime.private_dir.UntrustedFolderError` unless it is a real folder of
+    this user's that no one else can write (a library planted there would run its
+    constructors in this process when loaded)."""
+    return private_directory(cache_root() / "kernels", "the host kernel cache")
+
+
+def _file_problem(info: os.stat_result) -> Optional[str]:
+    """Why a file of the kernel folder is not this user's alone (one left there while the
+    folder was not private), or None."""
+    if not stat.S_ISREG(info.st_mode):
+        return "it is not a regular file"
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        return f"it belongs to uid {info.st_uid}, not to you (uid {os.getuid()})"
+    if info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"it is writable by others (mode {stat.S_IMODE(info.st_mode):o})"
+    return None
+
+
+def _digest(fd: int) -> str:
+    """The sha256 of the open file ``fd``, read from its start."""
+    digest = hashlib.sha256()
+    offset = 0
+    while chunk := os.pread(fd, 1 << 20, offset):
+        digest.update(chunk)
+        offset += len(chunk)
+    return digest.hexdigest()
+
+
+def _recorded(path: Path) -> Optional[str]:
+    """The sha256 recorded beside ``path`` at its build (``<name>.sha256``, as ``sha256sum``
+    writes it), or None where there is none this user wrote."""
+    try:
+        fd = os.open(_hash_path(path), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if _file_problem(os.fstat(fd)) is not None:
+            return None
+        words = os.read(fd, 256).decode("ascii", "replace").split()
+    finally:
+        os.close(fd)
+    return words[0] if words and re.fullmatch(r"[0-9a-f]{64}", words[0]) else None
+
+
+def _hash_path(path: Path) -> Path:
+    return path.with_name(path.name + ".sha256")
+
+
+def _open_trusted(path: Path) -> tuple[Optional[int], Optional[str]]:
+    """Open the cached library at ``path`` if it may be loaded: a regular file of this
+    user's that no one else can write, whose sha256 is the one recorded at its build. Returns
+    its descriptor (what is loaded is this very file, whatever happens to the name after), or
+    None and why not (None too where there is no file: a first build says nothing)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None, None
+    except OSError as exc:  # ELOOP: a symlink
+        return None, f"it cannot be opened as a file of its own ({exc.strerror or exc})"
+    problem = _file_problem(os.fstat(fd))
+    if problem is None:
+        recorded = _recorded(path)
+        if recorded is None:
+            problem = f"no sha256 of it was recorded at its build ({_hash_path(path).name})"
+        elif _digest(fd) != recorded:
+            problem = "its sha256 is not the one recorded at its build (changed or corrupt)"
+    if problem is not None:
+        os.close(fd)
+        return None, problem
+    return fd, None
+
+
+def _build_into(folder: Path, recipe: _Recipe) -> int:
+    """Build the library in a private scratch folder inside ``folder``, record its sha256
+    beside it, and move both into place (atomically each: a rank building beside this one
+    replaces them whole); returns a descriptor of the file built, so that this process loads
+    what it built even if another rank's build replaces the name meanwhile."""
+    path = folder / recipe.name
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:  # mode 0700
+        source = Path(scratch) / SOURCE_NAME
+        source.write_text(recipe.source, encoding="utf-8")
+        built = Path(scratch) / recipe.name
+        error = _build(recipe.cc, source, built, recipe.runtime)
         if error is not None:
-            raise KernelUnavailable(f"{cc} could not build it: {error}")
-        os.replace(built, path)  # atomic: a rank building beside this one replaces it whole
+            raise KernelUnavailable(f"{recipe.cc} could not build it: {error}")
+        fd = os.open(built, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.chmod(built, 0o700)  # not the group's under a umask of 002
+            recorded = Path(scratch) / _hash_path(path).name
+            with open(recorded, "w", encoding="ascii") as f:
+                f.write(f"{_digest(fd)}  {recipe.name}\n")
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(built, path)
+            os.replace(recorded, _hash_path(path))
+        except BaseException:
+            os.close(fd)
+            raise
+    return fd
+
+
+def _dlopen(fd: int, path: Path) -> ctypes.CDLL:
+    """Load the open file ``fd`` (cached at ``path``): through ``/proc/self/fd``, so that
+    the file checked is the file loaded. The descriptor stays open as long as the process
+    (a library is never unloaded): the dynamic loader knows a library by the name it was
+    opened under, and a closed descriptor's number would come back for another file."""
+    proc = f"/proc/self/fd/{fd}"
+    try:
+        lib = _load(proc if os.path.exists(proc) else str(path))
+    except OSError:
+        os.close(fd)  # not loaded: the loader keeps no name
+        raise
+    except AttributeError as exc:  # loaded, but not the loop: keep the name taken
+        raise KernelUnavailable(f"the library {path} lacks a function of the loop ({exc})") from None
+    return lib
+
+
+def load_library() -> tuple[ctypes.CDLL, Optional[str]]:
+    """This machine's library, loaded, and why the cached one was rebuilt (None when it
+    was loaded, or built for the first time).
+
+    A cached file is loaded only when :func:`_open_trusted` vouches for it (in a folder
+    only this user can write: :func:`kernel_folder`, whose refusal is
+    ``UntrustedFolderError``); one it refuses, or one that then does not load (a corrupt file,
+    a missing function), is built again under its name, and that build is loaded. A build
+    that fails or does not load raises :class:`KernelUnavailable`."""
+    recipe = _recipe()
+    folder = kernel_folder()
+    path = folder / recipe.name
+    fd, why = _open_trusted(path)
+    if fd is not None:
+        try:
+            return _dlopen(fd, path), None
+        except (OSError, KernelUnavailable) as exc:
+            why = f"it did not load: {exc}"
+    fd = _build_into(folder, recipe)
+    try:
+        lib = _dlopen(fd, path)
+    except OSError as exc:
+        raise KernelUnavailable(f"the library {recipe.cc} built does not load: {exc}") from None
+    return lib, None if why is None else f"the cached {path} was not loaded ({why}); it was built again"
+
+
+def library_path() -> Path:
+    """Build the loop for this machine if no earlier process did (or if the cached file
+    cannot be trusted); return the library's path."""
+    recipe = _recipe()
+    folder = kernel_folder()
+    path = folder / recipe.name
+    fd, _ = _open_trusted(path)
+    os.close(_build_into(folder, recipe) if fd is None else fd)
     return path
 
 
-def _load(path: Path) -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(path))  # a CDLL call releases the GIL for its duration
+def _load(name: str) -> ctypes.CDLL:
+    lib = ctypes.CDLL(name)  # a CDLL call releases the GIL for its duration
     fn = lib.hf_elixir_adam
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64, ctypes.c_void_p] + [ctypes.c_int] * 4
@@ -382,8 +419,12 @@ class OnePassAdam:
         if self._mode == "torch":
             return None, f"{KERNEL_ENV}=torch"
         try:
-            lib = _load(library_path())
+            lib, rebuilt = load_library()
+            if rebuilt is not None:
+                warnings.warn(f"hf_elixir: {rebuilt}", RuntimeWarning, stacklevel=4)
             error = check(lib)
+        except UntrustedFolderError as exc:  # nothing in the folder is loaded, nor built there
+            error = f"{exc}; nothing in it is loaded"
         except (KernelUnavailable, OSError) as exc:
             error = str(exc)
         if error is not None:
