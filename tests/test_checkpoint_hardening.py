@@ -45,8 +45,9 @@ def saved(tmp_path_factory):
     return d
 
 
-@pytest.fixture()
+@pytest.fixture(scope="module")
 def victim():
+    """A model every refusal leaves as it was (each test checks); nothing loads into it."""
     run = Run(0, 1, seed=4)
     run.steps(1)
     return run
@@ -149,13 +150,14 @@ def test_a_symlink_out_of_the_folder_is_refused(saved, victim, tmp_path, fname) 
     assert outside.read_bytes() == (saved / fname).read_bytes()
 
 
-def test_a_symlink_inside_the_folder_is_followed(saved, victim, tmp_path) -> None:
+def test_a_symlink_inside_the_folder_is_followed(saved, tmp_path) -> None:
     """The check is about where a name leads, not about links: a link to a file of the
     folder loads and exports (the export holds a copy, not a link)."""
     ckpt, out = _layout(saved, tmp_path)
     (ckpt / "config.json").rename(ckpt / "config.real")
     (ckpt / "config.json").symlink_to("config.real")
-    ck.load(victim.emodel, victim.eopt, ckpt, scheduler=victim.sched)
+    run = Run(0, 1, seed=4)
+    ck.load(run.emodel, run.eopt, ckpt, scheduler=run.sched)
     ck.export(ckpt, out)
     assert not (out / "config.json").is_symlink()
     assert (out / "config.json").read_bytes() == (saved / "config.json").read_bytes()
