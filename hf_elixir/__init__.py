@@ -14,6 +14,9 @@ from hf_elixir.runtime.recovery import RecoveryFailed
 from hf_elixir.runtime.released import ReleasedParameterError
 from hf_elixir.vocab import HfElixirError
 from hf_elixir import measure  # registers the model timer with the planner (efficiency="auto")
+# registers what finds a Transformers model's head and loss with the runtime (the logits in
+# pieces); imports neither accelerate nor transformers until a model is wrapped
+from hf_elixir.integrations import logit_pieces as _logit_pieces  # noqa: F401
 
 __version__ = "0.1.0"
 

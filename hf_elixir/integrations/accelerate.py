@@ -43,6 +43,12 @@ def _compile_line(emodel: ElixirModule) -> str:
     return f"\n{emodel.compiled.describe()}" if emodel.compiled.options is not None else ""
 
 
+def _pieces_line(emodel: ElixirModule) -> str:
+    """Under the plan's summary, when its logits run in pieces or were meant to: how they
+    run, or why whole (runtime/logit_pieces.py)."""
+    return f"\n{emodel.logit_pieces.note}" if emodel.plan.logit_piece_tokens > 0 else ""
+
+
 def _elixir_state_dir(directory: str | os.PathLike, index: int) -> Path:
     return Path(directory) / (ELIXIR_STATE_DIR if index == 0 else f"{ELIXIR_STATE_DIR}_{index}")
 
@@ -201,7 +207,7 @@ class ElixirAccelerator(Accelerator):
         self._models.append(emodel)
         if self.is_main_process:
             print(f"hf_elixir is active on {self.num_processes} process(es) "
-                  f"({self.distributed_type.value}):\n{plan.summary()}{_compile_line(emodel)}", flush=True)
+                  f"({self.distributed_type.value}):\n{plan.summary()}{_pieces_line(emodel)}{_compile_line(emodel)}", flush=True)
         return emodel
 
     def _plan_for_first_forward(self, model: nn.Module, shape: tuple[int, int], dtype: str):
@@ -225,7 +231,7 @@ class ElixirAccelerator(Accelerator):
                 opt.shard()
         if self.is_main_process:
             print(f"hf_elixir sharded the model on its first forward (batch {emodel.plan.predictions.get('batch_size', '?')}"
-                  f" x sequence {emodel.plan.predictions.get('seq_len', '?')}):\n{emodel.plan.summary()}"
+                  f" x sequence {emodel.plan.predictions.get('seq_len', '?')}):\n{emodel.plan.summary()}{_pieces_line(emodel)}"
                   f"{_compile_line(emodel)}", flush=True)
         loads, self._elixir_pending_loads = self._elixir_pending_loads, []
         for directory in loads:

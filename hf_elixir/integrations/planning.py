@@ -7,6 +7,7 @@ of the first training batch. Everything here only reads the model.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
@@ -71,6 +72,24 @@ def machines_from_env(world_size: int) -> int:
 
 
 def make_plan(
+    model: nn.Module,
+    plugin: ElixirPlugin,
+    world_size: int,
+    dtype: str,
+    optimizer: str,
+    batch_shape: Optional[tuple[int, int]],
+    machines: int = 1,
+    split_batches: bool = False,
+) -> ElixirPlan:
+    """``plan_for``'s plan, with the user's ``logit_piece_tokens`` over the plan's (a
+    copy: a searched plan is shared with the search's memo)."""
+    plan = plan_for(model, plugin, world_size, dtype, optimizer, batch_shape, machines, split_batches)
+    if plugin.logit_piece_tokens is not None and plugin.logit_piece_tokens != plan.logit_piece_tokens:
+        plan = dataclasses.replace(plan, logit_piece_tokens=plugin.logit_piece_tokens)
+    return plan
+
+
+def plan_for(
     model: nn.Module,
     plugin: ElixirPlugin,
     world_size: int,

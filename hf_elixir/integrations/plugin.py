@@ -84,6 +84,9 @@ class ElixirPlugin:
     activation_checkpointing: Optional[str] = _option("`auto`, `on` or `off`", "`auto`")
     batch_size: Optional[int] = _option("the per-device micro-batch to plan for", "the first training batch")
     seq_len: Optional[int] = _option("the sequence length to plan for", "the first training batch")
+    logit_piece_tokens: Optional[int] = _option(
+        "run the LM head and its loss over this many tokens at a time, so the whole logits never exist "
+        "(`0`: whole logits; docs/design.md, long context)", "the plan's")
     efficiency: Optional[Union[str, float]] = _option(
         "how the search prices compute: `auto` (time the model first on a calibrated machine), "
         "`measure`, `calibrated`, or a number", "`auto`")
@@ -110,6 +113,7 @@ class ElixirPlugin:
         self.rcache_blocks = _number("rcache_blocks", self.rcache_blocks, int, minimum=1)
         self.batch_size = _number("batch_size", self.batch_size, int, minimum=1)
         self.seq_len = _number("seq_len", self.seq_len, int, minimum=1)
+        self.logit_piece_tokens = _number("logit_piece_tokens", self.logit_piece_tokens, int, minimum=0)
         self.efficiency = _efficiency(self.efficiency if self.efficiency is not None else "auto")
         self.recover_oom = _boolean("recover_oom", self.recover_oom, default=True)
         self.compile = _compile(self.compile)

@@ -255,6 +255,12 @@ class HookManager:
         return pre_forward, post_forward
 
     # ------------------------------------------------------------------ backward
+    def watch(self, tensors: list[torch.Tensor]) -> int:
+        """Make the gradient of ``tensors`` start the end-of-backward work, as the model's
+        outputs do: for a forward whose loss does not pass through its outputs (the logits in
+        pieces, runtime/logit_pieces.py). Returns how many tensors were hooked."""
+        return on_output_grad(tensors, self._ensure_end_callback)
+
     def _ensure_end_callback(self) -> None:
         if not self._callback_queued:
             self._callback_queued = True

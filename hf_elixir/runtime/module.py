@@ -10,6 +10,7 @@ from __future__ import annotations
 import array
 import atexit
 import contextlib
+import dataclasses
 import weakref
 import zlib
 from typing import Any, Collection, Iterator, Mapping, Optional
@@ -33,6 +34,7 @@ from hf_elixir.runtime.hooks import HookManager, in_backward
 from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
+from hf_elixir.runtime.logit_pieces import PieceWiring, wire as wire_logit_pieces
 from hf_elixir.runtime.recovery import Recovery, Replanner, adopt_plan
 from hf_elixir.runtime.packed import prepare_packed_layers
 from hf_elixir.runtime.reduce import GradReducer
@@ -65,6 +67,10 @@ class ElixirModule(nn.Module):
         replanner: ``(plan, attempt) -> plan`` for a recovery (default: ``planner.replan.tighten``).
         nvme_path: the directory for chunks the plan keeps on disk (default ``ELIXIR_NVME_PATH``;
             runtime/disk_tier.py).
+        logit_piece_tokens: run the LM head and its loss in pieces of this many tokens (0:
+            whole logits), instead of the plan's ``logit_piece_tokens``; where the model's head
+            or loss is not of the shape the pieces replace, it runs whole and
+            ``logit_pieces.note`` says why (runtime/logit_pieces.py).
     """
 
     def __init__(
@@ -77,6 +83,7 @@ class ElixirModule(nn.Module):
         recover_oom: bool = True,
         replanner: Optional[Replanner] = None,
         nvme_path: Optional[str] = None,
+        logit_piece_tokens: Optional[int] = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ElixirModule wraps an nn.Module, got {type(model).__name__}")
@@ -89,6 +96,8 @@ class ElixirModule(nn.Module):
         world_size = dist.get_world_size(process_group) if (
             process_group is not None or (dist.is_available() and dist.is_initialized())
         ) else 1
+        if logit_piece_tokens is not None:  # the caller's choice over the plan's
+            plan = dataclasses.replace(plan, logit_piece_tokens=int(logit_piece_tokens))
         plan.validate(model, world_size=world_size)
         if uses_checkpointing(plan) and not (
             hasattr(model, "activation_checkpointing_enable") or hasattr(model, "gradient_checkpointing_enable")
@@ -173,6 +182,9 @@ class ElixirModule(nn.Module):
         self.comm.recording = recover_oom
         if recover_oom:
             self.hooks.on_backward_end = self.recovery.after_backward
+        #: the LM head and its loss in pieces, or why not (runtime/logit_pieces.py); the
+        #: pieces' size is read from the plan at each forward
+        self.logit_pieces: PieceWiring = wire_logit_pieces(model, _piece_tokens(weakref.ref(self)), self.hooks.watch)
         setattr(model, _WRAPPED_ATTR, True)
         atexit.register(_drain_at_exit, weakref.ref(self))
 
@@ -531,6 +543,16 @@ class ElixirModule(nn.Module):
         self.release_all()
         load_into_chunks(self, state_dict, keys.key_of_param)
         return nn.modules.module._IncompatibleKeys(keys.missing, keys.unexpected)
+
+
+def _piece_tokens(ref: "weakref.ReferenceType[ElixirModule]"):
+    """The current plan's tokens per logit piece (the model's hooks must not keep the
+    runtime alive)."""
+    def tokens() -> int:
+        live = ref()
+        return live.plan.logit_piece_tokens if live is not None else 0
+
+    return tokens
 
 
 def _drain_at_exit(ref: "weakref.ReferenceType[ElixirModule]") -> None:
