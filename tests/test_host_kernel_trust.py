@@ -207,6 +207,26 @@ def test_nothing_is_loaded_or_built_in_a_kernel_folder_others_could_write(
     assert sorted(os.listdir(folder)) == before and path.read_bytes() == planted
 
 
+def test_a_build_under_a_group_umask_is_trusted_by_the_next_process(cache: Path) -> None:
+    """Under a umask of 002 (common where each user has a group of their own), the library
+    and its record are still this user's alone, so the next process loads them, without a
+    rebuild."""
+    old_umask = os.umask(0o002)
+    try:
+        runner, said = _first_use()
+        assert runner.usable and not said, (runner.why_not, said)
+        built = list((cache / "kernels").glob("host_adam-*"))
+        assert sorted(p.suffix for p in built) == [".sha256", ".so"]
+        assert all(not p.stat().st_mode & 0o022 for p in built), [oct(p.stat().st_mode) for p in built]
+        stamps = {p: p.stat().st_mtime_ns for p in built}
+        OnePassAdam._loaded.clear()  # a new process
+        runner, said = _first_use()
+        assert runner.usable and not said, (runner.why_not, said)
+        assert {p: p.stat().st_mtime_ns for p in built} == stamps
+    finally:
+        os.umask(old_umask)
+
+
 def test_a_corrupt_cached_library_is_rebuilt(cache: Path) -> None:
     """A cached library whose bytes changed after its build (here: cut short, as a full disk
     leaves it) does not match its record and is built again; before, it was loaded, failed,

@@ -282,12 +282,16 @@ def _build_into(folder: Path, recipe: _Recipe) -> int:
             raise KernelUnavailable(f"{recipe.cc} could not build it: {error}")
         fd = os.open(built, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         try:
-            os.chmod(built, 0o700)  # not the group's under a umask of 002
+            os.fchmod(fd, 0o700)  # not the group's under a umask of 002
             recorded = Path(scratch) / _hash_path(path).name
-            with open(recorded, "w", encoding="ascii") as f:
-                f.write(f"{_digest(fd)}  {recipe.name}\n")
-                f.flush()
-                os.fsync(f.fileno())
+            line = f"{_digest(fd)}  {recipe.name}\n".encode("ascii")
+            record = os.open(recorded, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+            try:
+                os.fchmod(record, 0o600)  # whatever the umask: a record others can write is none
+                os.write(record, line)
+                os.fsync(record)
+            finally:
+                os.close(record)
             os.replace(built, path)
             os.replace(recorded, _hash_path(path))
         except BaseException:
