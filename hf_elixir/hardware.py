@@ -323,12 +323,14 @@ class HardwareProfile:
 
 
 # ---------------------------------------------------------------------- memory strings
-def parse_memory(text: str | int | float) -> int:
+def parse_memory(text: str | int | float, bare_minimum: int = 1) -> int:
     """Bytes from "24GiB", "24 GB", "24000MB", "80G" (G/GiB binary, GB decimal) or a number.
 
-    Raises HardwareError with the accepted forms when the string is not a size.
+    Raises HardwareError with the accepted forms when the string is not a size, or is NaN,
+    infinite, negative, below one byte, or a number without a unit below ``bare_minimum``
+    (``vocab.BARE_MINIMUM`` where a person wrote it: a config file, the command line).
     """
-    return parse_bytes(text, "memory size", HardwareError)
+    return parse_bytes(text, "memory size", HardwareError, bare_minimum)
 
 
 # ---------------------------------------------------------------------- presets

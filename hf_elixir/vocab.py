@@ -8,6 +8,7 @@ everywhere because there is exactly one table of each, here.
 
 from __future__ import annotations
 
+import math
 import re
 
 import torch
@@ -70,15 +71,25 @@ _UNITS = {
 }
 
 
+#: the smallest size a number without a unit may give where a person writes sizes (a config
+#: file, the command line): a memory of under 1 MiB is a unit left out (``gpu_memory: 24``)
+BARE_MINIMUM = 2**20
+
+
 def parse_bytes(text: str | int | float, what: str = "memory size",
-                error: type[Exception] = VocabError) -> int:
+                error: type[Exception] = VocabError, bare_minimum: int = 1) -> int:
     """Bytes from "24GiB", "24 GB", "24000MB", "80G" (G/GiB/MiB powers of 1024, GB/MB powers
-    of 1000, as transformers reads shard sizes) or a positive number; ``error`` otherwise,
-    naming ``what`` and the accepted forms."""
+    of 1000, as transformers reads shard sizes, B bytes) or a number of bytes; ``error``
+    otherwise, naming ``what`` and the accepted forms.
+
+    NaN, infinity, negatives and sizes below one byte ("0.5") are refused. A number without
+    a unit (``24``, ``"24"``) counts bytes; below ``bare_minimum`` it is refused with "write
+    a unit" (``BARE_MINIMUM`` for sizes a person writes, 1 for byte counts a program
+    passes)."""
     if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text <= 0:
-            raise error(f"{what} must be positive, got {text}")
-        return int(text)
+        if not math.isfinite(text):
+            raise error(f"{what} must be a finite size, got {text}; write a number and a unit, e.g. '24GiB'")
+        return _whole_bytes(text, text, "", what, error, bare_minimum)
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
@@ -86,9 +97,23 @@ def parse_bytes(text: str | int | float, what: str = "memory size",
             f"cannot read {what} {text!r}: write a number and a unit, e.g. '24GiB', "
             "'24 GB', '24000MB' or '80G' (GiB/MiB/G are powers of 1024, GB/MB powers of 1000)"
         )
-    value = float(m.group(1)) * _UNITS[unit]
+    return _whole_bytes(float(m.group(1)) * _UNITS[unit], text, unit, what, error, bare_minimum)
+
+
+def _whole_bytes(value: float, text: str | int | float, unit: str, what: str, error: type[Exception],
+                 bare_minimum: int) -> int:
+    """``value`` bytes as a whole number, once it is checked: positive, at least one byte,
+    and, written without a unit, at least ``bare_minimum``."""
     if value <= 0:
         raise error(f"{what} must be positive, got {text!r}")
+    if value < 1:
+        raise error(f"{what} {text!r} is less than one byte; write a number and a unit, e.g. '24GiB'")
+    if not unit and value < bare_minimum:
+        number = str(text).strip()
+        raise error(
+            f"{what} {text!r} has no unit, so it would mean {int(value)} bytes; write a unit, "
+            f"e.g. '{number}GiB' or '{number}MB' (or '{number}B' if you mean bytes)"
+        )
     return int(value)
 
 

@@ -285,7 +285,7 @@ def test_auto_find_batch_size_plans_smaller_micro_batches(small_batch_run, tmp_p
     one = hfe.plan(model, (1, 16), world_size=2, dtype="float32", efficiency="calibrated").predictions["smallest_peak_bytes"]
     assert one < two
     budget = (one + two) // 2
-    config = _config(tmp_path, gpu_memory=str(budget))
+    config = _config(tmp_path, gpu_memory=f"{budget}B")
     split, proc = _trainer_run(tmp_path, "split", config, *trainer_args(), "--auto_find_batch_size", "true")
     assert "runs as 2 micro-batches of 1" in proc.stdout
     _assert_same_training(split, small_batch_run, rel=1e-5, weights=1e-5)

@@ -86,7 +86,7 @@ def test_auto_find_batch_size_plans_the_largest_micro_batch_that_fits() -> None:
     model = _model()
     at = {b: hfe.plan(model, (b, 16), world_size=2, dtype="float32", efficiency="calibrated").predictions["smallest_peak_bytes"]
           for b in (4, 2)}
-    plugin = ElixirPlugin(plan="auto", gpu_memory=str((at[4] + at[2]) // 2), efficiency="calibrated")
+    plugin = ElixirPlugin(plan="auto", gpu_memory=f"{(at[4] + at[2]) // 2}B", efficiency="calibrated")
     with pytest.raises(PlanError, match="no plan fits"):
         make_plan(model, plugin, 2, "float32", "adamw", (4, 16))
     plan = make_plan(model, plugin, 2, "float32", "adamw", (4, 16), split_batches=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Callable
@@ -30,7 +31,7 @@ from hf_elixir.profile.forked import available_workers
 from hf_elixir.profile.lora import meta_lora_model
 from hf_elixir.profile.quant import meta_4bit
 from hf_elixir.profile.trace import build_meta_model
-from hf_elixir.vocab import OPTIMIZERS
+from hf_elixir.vocab import BARE_MINIMUM, OPTIMIZERS
 
 
 # ---------------------------------------------------------------------- model loading
@@ -119,9 +120,9 @@ def register_plan(sub) -> None:
 def _hardware_from_args(args):
     try:
         hw = HardwareProfile.preset(args.hardware) if args.hardware else HardwareProfile.detect()
-        memory = parse_memory(args.gpu_memory) if args.gpu_memory is not None else None
+        memory = parse_memory(args.gpu_memory, BARE_MINIMUM) if args.gpu_memory is not None else None
         if getattr(args, "host_memory", None) is not None:  # checked here, applied by the search
-            parse_memory(args.host_memory)
+            parse_memory(args.host_memory, BARE_MINIMUM)
     except HardwareError as e:
         raise CLIError(str(e)) from e
     if args.gpus is not None and args.gpus < 1:
@@ -149,7 +150,7 @@ def _with_disk(hw: HardwareProfile, args) -> HardwareProfile:
         hw = with_disk(hw, root)
     if args.nvme_size is not None:
         try:
-            hw.disk_free = parse_memory(args.nvme_size)
+            hw.disk_free = parse_memory(args.nvme_size, BARE_MINIMUM)
         except HardwareError as e:
             raise CLIError(f"--nvme-size: {e}") from e
     return hw
@@ -184,15 +185,27 @@ def _lora_builder(args) -> Callable | None:
     return build
 
 
+def _efficiency(text: str) -> float | str:
+    """``--efficiency`` as the planner takes it, checked before anything runs: a word, or a
+    finite, positive number (``nan`` and ``inf`` read as floats and would price nothing)."""
+    words = ("auto", "measure", "calibrated")
+    try:
+        number = float(text)
+    except ValueError:
+        number = None
+    if number is None and text in words:
+        return text
+    if number is None or not math.isfinite(number) or number <= 0:
+        raise CLIError(f"--efficiency {text}: use {', '.join(words)} or a finite, positive number")
+    return number
+
+
 def cmd_plan(args) -> int:
     if args.batch_size < 1 or args.seq_len < 1:
         raise CLIError("--batch-size and --seq-len must be positive")
+    efficiency = _efficiency(args.efficiency)
     hw = _hardware_from_args(args)
     cfg = load_config(args.model)
-    try:
-        efficiency = float(args.efficiency)
-    except ValueError:
-        efficiency = args.efficiency
     build = _lora_builder(args)
     workers = available_workers()  # this process has no threads of its own: planning may fork
     try:

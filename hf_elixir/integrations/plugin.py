@@ -12,6 +12,7 @@ with it before it starts anything.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 from hf_elixir.hardware import HardwareError, HardwareProfile, parse_memory
 from hf_elixir.runtime.compiled import CompileError, CompileOptions
 from hf_elixir.runtime.disk_tier import DiskTierError, check_path
-from hf_elixir.vocab import HfElixirError
+from hf_elixir.vocab import BARE_MINIMUM, HfElixirError
 
 USE_ENV = "ACCELERATE_USE_ELIXIR"
 ENV_PREFIX = "ELIXIR_"
@@ -124,7 +125,7 @@ class ElixirPlugin:
                 raise ElixirConfigError(f"elixir option {e}") from None
         if self.gpu_memory is not None:
             try:
-                parse_memory(self.gpu_memory)
+                parse_memory(self.gpu_memory, bare_minimum=BARE_MINIMUM)  # `gpu_memory: 24` is no budget
             except HardwareError as e:
                 raise ElixirConfigError(f"elixir option gpu_memory: {e}") from None
             self.gpu_memory = str(self.gpu_memory)
@@ -250,7 +251,7 @@ def _offload(value: Union[str, float]) -> Union[str, float]:
 
 
 def _efficiency(value: Union[str, float]) -> Union[str, float]:
-    return _word_or_number("efficiency", value, EFFICIENCY_WORDS, lambda f: f > 0, "a positive number")
+    return _word_or_number("efficiency", value, EFFICIENCY_WORDS, lambda f: f > 0, "a finite, positive number")
 
 
 def _word_or_number(name: str, value: Any, words: tuple[str, ...], valid: Callable[[float], bool],
@@ -262,7 +263,7 @@ def _word_or_number(name: str, value: Any, words: tuple[str, ...], valid: Callab
         number = float(value)
     except (TypeError, ValueError):
         number = None
-    if number is None or not valid(number):
+    if number is None or not math.isfinite(number) or not valid(number):
         raise ElixirConfigError(f"elixir option {name}: {value!r} is not one of {', '.join(words)} or {expected}")
     return number
 
@@ -289,14 +290,29 @@ def _checkpointing(value: Union[str, bool]) -> str:
 
 
 def _number(name: str, value: Any, kind: type, minimum: float) -> Any:
+    """An option's number of ``kind``, given as a number or its text: finite and at least
+    ``minimum``, else an error naming the option. YAML's ``.nan`` and ``.inf`` (and ``nan``,
+    ``inf`` from the environment) are refused here, before anything starts, rather than where
+    planning first computes with them."""
     if value is None:
         return None
+    what = "a whole number" if kind is int else "a number"
+    try:
+        if isinstance(value, bool):  # YAML's true/false: no count or size
+            raise ValueError
+        finite = math.isfinite(float(value))
+    except OverflowError:  # an integer beyond any float
+        finite = False
+    except (TypeError, ValueError):
+        raise ElixirConfigError(f"elixir option {name}: {value!r} is not {what}") from None
+    if not finite:
+        raise ElixirConfigError(f"elixir option {name}: {value!r} is not a finite number; "
+                                f"write {what} of at least {minimum:g}")
     try:
         number = kind(value)
         if kind is int and float(value) != number:
             raise ValueError
     except (TypeError, ValueError):
-        what = "a whole number" if kind is int else "a number"
         raise ElixirConfigError(f"elixir option {name}: {value!r} is not {what}") from None
     if number < minimum:
         raise ElixirConfigError(f"elixir option {name}: {value!r} must be at least {minimum:g}")

@@ -10,6 +10,7 @@ registered.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
@@ -48,6 +49,17 @@ def local_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def check_efficiency(mode: float | str) -> None:
+    """Refuse an efficiency the search cannot price with, before anything is profiled: a
+    number must be finite and positive (NaN or infinity would price every step at nothing,
+    and the search would crash or pick at random), a word one of the three."""
+    if isinstance(mode, (int, float)) and not isinstance(mode, bool):
+        if not math.isfinite(mode) or mode <= 0:
+            raise PlanError(f"efficiency must be a finite, positive number, got {mode}")
+    elif mode not in ("auto", "measure", "calibrated"):
+        raise PlanError(f"efficiency must be a number, 'auto', 'measure' or 'calibrated'; got {mode!r}")
+
+
 def model_efficiency(mode: float | str, model: Any, profile: ModelProfile, hw: HardwareProfile,
                      world_size: int, compute_dtype: str) -> dict[str, Any]:
     """What the plan's compute is priced at, and where that figure comes from.
@@ -57,12 +69,9 @@ def model_efficiency(mode: float | str, model: Any, profile: ModelProfile, hw: H
     calibrated on a machine of this kind, since only then are the model's timings and the
     prices comparable. Returns ``{"value": float | None, "source": str, ...details}``.
     """
+    check_efficiency(mode)
     if isinstance(mode, (int, float)) and not isinstance(mode, bool):
-        if mode <= 0:
-            raise PlanError(f"efficiency must be a positive number, got {mode}")
         return {"value": float(mode), "source": "given"}
-    if mode not in ("auto", "measure", "calibrated"):
-        raise PlanError(f"efficiency must be a number, 'auto', 'measure' or 'calibrated'; got {mode!r}")
     local = bool(hw.compute) and hw.device_type == local_device_type()
     # a model on the meta device (``hf_elixir.profile.lora``'s LoRA fine-tunes) has no values
     # to run: only its config could be timed, and it is not at hand

@@ -37,7 +37,7 @@ from torch import nn
 from hf_elixir.hardware import HardwareProfile, parse_memory
 from hf_elixir.planner import cost, disk, fetches, host_steps, levers, packing, pricing, traffic
 from hf_elixir.planner.candidate import Candidate, chain, signature
-from hf_elixir.planner.efficiency import compute_figures, model_efficiency
+from hf_elixir.planner.efficiency import check_efficiency, compute_figures, model_efficiency
 from hf_elixir.planner.memo import CandidateMemo
 from hf_elixir.planner.record import ChunkPlan, ElixirPlan, PlanError, canonical_dtype
 from hf_elixir.planner.verdict import alternatives as _alternatives, infeasible as _infeasible
@@ -371,6 +371,7 @@ def plan(
     """
     t0 = time.perf_counter()
     compute_dtype = canonical_dtype(dtype)
+    check_efficiency(efficiency)
     optimizer = optimizer.lower()
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"unsupported optimizer {optimizer!r}; use one of {', '.join(OPTIMIZERS)}")
