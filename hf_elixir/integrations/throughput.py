@@ -18,7 +18,7 @@ from typing import Callable, Optional
 
 from transformers import TrainerCallback
 
-from hf_elixir.runtime.timing import format_report
+from hf_elixir.runtime.timing import format_report, predicted_for
 
 #: steps left out at the start: the first pass records the fetch trace, the next warm caches
 WARMUP_STEPS = 2
@@ -30,7 +30,7 @@ def predicted_step_seconds(predictions: dict, accumulation: int) -> Optional[flo
     fb = predictions.get("time", {}).get("forward_backward")
     if step is None or fb is None:
         return None
-    return accumulation * fb + (step - fb)
+    return predicted_for({"forward_backward": fb, "step": step}, accumulation)["step"]
 
 
 @dataclass
@@ -39,6 +39,8 @@ class ThroughputReport:
     predicted_tokens_per_s: Optional[float]
     median_step_s: float
     steps: int
+    #: the first steps, left out of the median: the trace's recording and torch.compile's compiling
+    warmup_s: Optional[float] = None
 
     @property
     def error(self) -> Optional[float]:
@@ -52,6 +54,10 @@ class ThroughputReport:
                 f"(median step {self.median_step_s * 1e3:.1f} ms over {self.steps} steps)")
         if self.predicted_tokens_per_s:
             text += f"; the plan predicted {self.predicted_tokens_per_s:,.0f} tokens/s ({self.error:+.0%})"
+        if self.warmup_s is not None:
+            text += (f"; the first {WARMUP_STEPS} step(s), left out, took {self.warmup_s:.2f} s "
+                     f"({self.warmup_s - WARMUP_STEPS * self.median_step_s:+.2f} s beyond steady steps: "
+                     "trace recording, compiling)")
         return text
 
 
@@ -69,6 +75,7 @@ class ThroughputCallback(TrainerCallback):
     time_report_of: Optional[Callable[[], Optional[dict]]] = None
     report: Optional[ThroughputReport] = None
     _times: list[float] = field(default_factory=list)
+    _warmup: float = 0.0
     _start: float = 0.0
 
     def on_step_begin(self, args, state, control, **kwargs):
@@ -77,6 +84,8 @@ class ThroughputCallback(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step > WARMUP_STEPS:
             self._times.append(time.perf_counter() - self._start)
+        else:
+            self._warmup += time.perf_counter() - self._start
 
     def on_train_end(self, args, state, control, **kwargs):
         plan = self.plan_of() if self.plan_of else None
@@ -90,7 +99,7 @@ class ThroughputCallback(TrainerCallback):
         self.report = ThroughputReport(
             measured_tokens_per_s=tokens / median,
             predicted_tokens_per_s=tokens / step if step else None,
-            median_step_s=median, steps=len(self._times))
+            median_step_s=median, steps=len(self._times), warmup_s=self._warmup)
         if state.is_world_process_zero:
             print(self.report.line(), flush=True)
             report = self.time_report_of() if self.time_report_of else None

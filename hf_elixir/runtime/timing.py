@@ -208,15 +208,40 @@ def main_thread(step: dict[str, float]) -> float:
     return sum(step[p] for p in PARTS) - step.get("background", 0.0)
 
 
+#: predicted phases that every micro-batch's passes repeat; the rest happen once a step
+PER_PASS = ("forward_backward", "compute", "collectives", "exposed_communication")
+
+
+def predicted_for(predicted: dict[str, float], micro_batches: float) -> dict[str, float]:
+    """The plan's figures (one step of one micro-batch) for a step of ``micro_batches``:
+    the passes run that many times, the optimizer's work once. Without this a measured step
+    of two micro-batches stood beside a one-micro-batch prediction, and read as the planner
+    being twice off."""
+    n = max(1, round(micro_batches))
+    out = dict(predicted)
+    for phase in PER_PASS:
+        if phase in out:
+            out[phase] = predicted[phase] * n
+    if "step" in out and "forward_backward" in predicted:
+        out["step"] = predicted["step"] + (n - 1) * predicted["forward_backward"]
+    return out
+
+
 def summarize(steps: list[dict[str, float]], predicted: Optional[dict[str, float]] = None,
               skip_first: int = 1) -> dict[str, Any]:
     """The report of ``time_report()``: the mean of each phase over the measured steps (the
-    first ``skip_first`` left out when more remain: the first step records the trace and
-    warms caches), the last step's, and the plan's prediction per micro-batch step."""
+    first ``skip_first`` left out when more remain: the first step records the trace, warms
+    caches and compiles what torch.compile compiles), the last step's, and the plan's
+    prediction for a step of the measured micro-batches (``predicted_for``; the plan's own,
+    for one micro-batch, is ``predicted_one_micro_batch``). ``first_step`` is the first
+    step's seconds and ``warmup`` what it took beyond the steady step's mean."""
     used = steps[skip_first:] if len(steps) > skip_first else steps
     mean = {p: sum(s[p] for s in used) / len(used) for p in (*PHASES, "micro_batches")} if used else {}
+    first = steps[0]["step"] if steps else None
+    warmup = max(0.0, first - mean["step"]) if steps and len(steps) > skip_first else None
     return {"steps": len(used), "measured": mean, "last": steps[-1] if steps else {},
-            "predicted": dict(predicted or {})}
+            "predicted": predicted_for(predicted or {}, mean.get("micro_batches", 1.0)),
+            "predicted_one_micro_batch": dict(predicted or {}), "first_step": first, "warmup": warmup}
 
 
 def format_report(report: dict[str, Any]) -> str:
@@ -226,7 +251,10 @@ def format_report(report: dict[str, Any]) -> str:
         return "no training step measured yet"
     step = measured.get("step") or 0.0
     lines = [f"step time by phase (mean of {report['steps']} step(s), "
-             f"{measured.get('micro_batches', 1):.0f} micro-batch(es) each)",
+             f"{measured.get('micro_batches', 1):.0f} micro-batch(es) each), predicted for as many"
+             + (f"; the first step, left out, took {report['first_step'] * 1e3:.2f} ms, {report['warmup'] * 1e3:.2f} ms "
+                "above the steady step (the trace's recording, first allocations, torch.compile's compiling)"
+                if report.get("warmup") is not None else ""),
              f"  {'phase':<22}{'measured ms':>12}{'predicted ms':>14}{'of step':>9}"]
     for phase in PHASES:
         value = measured.get(phase, 0.0)
