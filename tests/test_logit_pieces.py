@@ -71,9 +71,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def shard_grads(emodel) -> dict[str, torch.Tensor]:
-    """Every parameter's gradient as the runtime holds it (one rank: the shards are whole)."""
+    """Every trained parameter's gradient as the runtime holds it (one rank: the shards are
+    whole; frozen chunks have none)."""
     return {s.name: c.grad_shard[s.offset:s.offset + s.numel].view(s.shape).clone()
-            for c in emodel.chunks for s in c.slots}
+            for c in emodel.chunks if not c.frozen for s in c.slots}
 
 
 def assert_equal_grads(got: dict, want: dict, tol: float) -> None:
@@ -160,12 +161,14 @@ def test_bf16_equals_the_whole_computation() -> None:
 
 def _two_ranks(rank: int, world_size: int) -> dict:
     """One rank of a 2-rank run with fewer rCache blocks than chunks, so the head's chunk is
-    released and gathered again between the forward and the backward of its pieces."""
+    released and gathered again between the forward and the backward of its pieces, and with
+    the model's own activation checkpointing on."""
     import torch.distributed as dist
 
     model = llama(vocab=2048, seq=256)
-    least = hfe.ElixirPlan.simple(model, world_size, chunk_size=4096).min_rcache_blocks
-    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=4096, rcache_blocks=least)
+    least = hfe.ElixirPlan.simple(model, world_size, chunk_size=4096, activation_checkpointing=True).min_rcache_blocks
+    plan = hfe.ElixirPlan.simple(model, world_size, chunk_size=4096, rcache_blocks=least,
+                                 activation_checkpointing=True)
     emodel = hfe.ElixirModule(model, plan, logit_piece_tokens=100)
     ids = tokens(batch=2, seq=256, vocab=2048)[rank:rank + 1]
     labels = ids.clone()
@@ -197,6 +200,45 @@ def test_two_ranks_over_gloo_equal_the_whole_computation() -> None:
     for a, b in zip(got["losses"], losses):
         assert abs(a - b) <= FP32_TOL * b
     assert_equal_grads(got["grads"], {n: p.grad for n, p in model.named_parameters()}, FP32_TOL)
+
+
+def test_lora_adapters_train_in_pieces() -> None:
+    """A PEFT model (LoRA on the attention, the head untouched): the base's head and loss run
+    in pieces under the adapter, and the adapters' gradients are plain PEFT's."""
+    from peft import LoraConfig, get_peft_model
+
+    def adapted():
+        model = llama(vocab=512, seq=64)
+        torch.manual_seed(1)
+        return get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+    ids = tokens(batch=2, seq=64, vocab=512)
+    ref = adapted()
+    loss = ref(input_ids=ids, labels=ids).loss
+    loss.backward()
+    model = adapted()
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model), logit_piece_tokens=16)
+    with LargestLogits(512) as seen:
+        out = emodel(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert emodel.logit_pieces.active and out.logits is None and seen.largest <= 16 * 512
+    assert abs(out.loss.item() - loss.item()) <= FP32_TOL * loss.item()
+    got = {n: g for n, g in shard_grads(emodel).items() if "lora_" in n}
+    assert got and len(got) == 8
+    assert_equal_grads(got, {n: p.grad for n, p in ref.named_parameters() if "lora_" in n}, FP32_TOL)
+
+
+def test_a_bad_piece_size_is_refused_before_anything_changes() -> None:
+    from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin
+
+    with pytest.raises(ElixirConfigError, match="logit_piece_tokens"):
+        ElixirPlugin(logit_piece_tokens=-1)
+    with pytest.raises(ElixirConfigError, match="logit_piece_tokens"):
+        ElixirPlugin(logit_piece_tokens="many")
+    model = llama(vocab=96, seq=32)
+    with pytest.raises(hfe.PlanError, match="logit_piece_tokens"):
+        hfe.ElixirModule(model, hfe.ElixirPlan.simple(model), logit_piece_tokens=-5)
+    assert not hasattr(model, "_hf_elixir_wrapped")  # untouched: it can still be wrapped
 
 
 # ---------------------------------------------------------------------- which models, what they return
