@@ -250,3 +250,28 @@ def test_a_dropped_graph_returns_its_bytes_and_a_new_plan_restores_the_blocks() 
     assert not layer.gradient_checkpointing
     emodel.adopt_plan(with_policies(plan, ["keep", "offload"]))
     assert not layer.gradient_checkpointing and model.model.layers[1].gradient_checkpointing
+
+
+def test_a_backward_that_raised_leaves_no_activations_behind() -> None:
+    """The end-of-backward callback never runs for a backward that raised: the next forward
+    settles what that backward used, and the next backward ends with nothing on the device."""
+    model = long_llama(2)
+    plan = with_policies(hfe.ElixirPlan.simple(model, 1, chunk_size=4096), ["recompute_offload"] * 2)
+    emodel = hfe.ElixirModule(model, plan, recover_oom=False)
+    fail = [True]
+
+    def boom(grad):
+        if fail[0]:
+            raise RuntimeError("injected")
+        return grad
+
+    model.model.embed_tokens.register_forward_hook(lambda m, a, out: [out.register_hook(boom), None][1])
+    ids = ids_of(1, 16)
+    loss = emodel(input_ids=ids, labels=ids).loss
+    with pytest.raises(RuntimeError, match="injected"):
+        loss.backward()
+    fail[0] = False
+    loss = emodel(input_ids=ids, labels=ids).loss
+    loss.backward()
+    report = emodel.memory_report()  # the graph is still alive: only the callback frees
+    assert report["current"][LEDGER_CATEGORY] == 0 and report["activation_offload"]["blocks_on_device"] == 0

@@ -161,6 +161,8 @@ class ActivationOffloader:
     @contextlib.contextmanager
     def block(self, name: str) -> Iterator[None]:
         """Run one block's forward with what autograd saves inside going to host memory."""
+        if self._callback_queued and torch._C._current_graph_task_id() == -1:
+            self._end_backward()  # the last backward raised before its end callback ran
         group = _Group(name)
         weakref.finalize(group, self._forget, group.held)
         self._open.append(group)
@@ -270,38 +272,41 @@ class ActivationOffloader:
     def _copy(self, group: _Group, to_host: bool, current: bool = False) -> None:
         """Copy ``group``'s tensors to the host (after the kernels that made them), or the
         missing ones back to the device; on the copy stream, with an event, unless
-        ``current`` (the compute stream: the backward needs them now) or on a CPU."""
+        ``current`` (the compute stream: the backward needs them now) or on a CPU.
+
+        Device memory for the copies back is taken on the compute stream, which reads and
+        frees it: taken on the copy stream, the allocator would hand it out there again as
+        soon as it was freed, while the compute stream might still be reading it."""
+        if to_host:
+            pairs = [(e.device, torch.empty_like(e.device, device="cpu", pin_memory=self.pin))
+                     for e in group.entries]
+            for entry, (_, host) in zip(group.entries, pairs):
+                entry.host = host
+        else:
+            pairs = []
+            for entry in group.entries:
+                if entry.device is None:
+                    entry.device = torch.empty_like(entry.host, device=self.device)
+                    self._account(group, entry.nbytes)
+                    pairs.append((entry.host, entry.device))
         stream = None if current else self.copy_stream
         if stream is not None:
-            compute = torch.cuda.current_stream(self.device)
-            stream.wait_stream(compute)  # after what made them / what last used the memory
-            context = torch.cuda.stream(stream)
+            stream.wait_stream(torch.cuda.current_stream(self.device))  # after what made them
+            context = torch.cuda.stream(stream)                         # or last used the memory
         else:
             context = contextlib.nullcontext()
-        moved = 0
         with context:
-            for entry in group.entries:
-                if to_host:
-                    entry.host = torch.empty_like(entry.device, device="cpu", pin_memory=self.pin)
-                    entry.host.copy_(entry.device, non_blocking=self.pin)
-                elif entry.device is None:
-                    entry.device = torch.empty_like(entry.host, device=self.device)
-                    entry.device.copy_(entry.host, non_blocking=self.pin)
-                    self._account(group, entry.nbytes)
-                else:
-                    continue
-                moved += 1
-                nbytes = entry.nbytes
-                if to_host:
-                    self.counts.bytes_out += nbytes
-                else:
-                    self.counts.bytes_in += nbytes
+            for source, target in pairs:
+                target.copy_(source, non_blocking=self.pin)
             event = stream.record_event() if stream is not None else None
+        moved = sum(target.numel() * target.element_size() for _, target in pairs)
         if to_host:
-            self.counts.copies_out += moved
+            self.counts.copies_out += len(pairs)
+            self.counts.bytes_out += moved
             group.out_event = event
         else:
-            self.counts.copies_in += moved
+            self.counts.copies_in += len(pairs)
+            self.counts.bytes_in += moved
             if event is not None:
                 group.in_event = event
 
