@@ -160,9 +160,9 @@ def test_bf16_equals_the_whole_computation() -> None:
 
 
 def _two_ranks(rank: int, world_size: int) -> dict:
-    """One rank of a 2-rank run with fewer rCache blocks than chunks, so the head's chunk is
-    released and gathered again between the forward and the backward of its pieces, and with
-    the model's own activation checkpointing on."""
+    """One rank of a 2-rank run with as few rCache blocks as the model allows (chunks are
+    evicted and gathered again within the step) and the model's own activation
+    checkpointing on."""
     import torch.distributed as dist
 
     model = llama(vocab=2048, seq=256)
