@@ -44,6 +44,7 @@ import weakref
 from typing import Callable, Optional, Sequence
 
 from hf_elixir.runtime.threads import using_threads
+from hf_elixir.vocab import HfElixirError
 
 #: one chunk's work on the thread: its update and its publication
 Job = tuple[int, Callable[[], None], Callable[[], None]]
@@ -176,6 +177,11 @@ class HostUpdates:
         return out
 
     def _raise(self) -> None:
+        """Re-raise the thread's error on the main thread. hf_elixir's own errors (a full
+        disk's DiskTierError) already say what happened and what to do: they come as they
+        are, with the thread's traceback; anything else is wrapped to say where it ran."""
         error, self._error = self._error, None
+        if isinstance(error, HfElixirError):
+            raise error
         if error is not None:
             raise RuntimeError(f"hf_elixir: a host optimizer update failed on its thread: {error!r}") from error
