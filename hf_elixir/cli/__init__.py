@@ -13,6 +13,7 @@ import gc
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -22,6 +23,7 @@ from hf_elixir.cli.demo import register_demo
 from hf_elixir.cli.launch import launch_main, register_config, register_launch
 from hf_elixir.hardware import HardwareError, HardwareProfile, cache_path, parse_memory
 from hf_elixir.measure import calibrate_machine, with_disk
+from hf_elixir.planner.longest import GRANULE, LIMIT, longest_sequence, probe_with
 from hf_elixir.planner.record import PlanError
 from hf_elixir.planner.search import plan as make_plan
 from hf_elixir.planner.summary import _MEM_ORDER, chosen_as_dict, summary
@@ -84,7 +86,9 @@ def register_plan(sub) -> None:
     p.add_argument("--hardware", default=None,
                    help=f"hardware preset ({', '.join(HardwareProfile.presets())}); default: this machine")
     p.add_argument("--batch-size", type=int, default=1, help="micro-batch size per GPU")
-    p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--seq-len", type=_seq_len, default=1024, metavar="N|max",
+                   help="tokens per sequence (default 1024); 'max': the longest that fits at the batch size, "
+                        "found by planning at a few lengths (multiples of 1024)")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
     p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="the update the run will use")
     p.add_argument("--efficiency", default="auto",
@@ -185,6 +189,16 @@ def _lora_builder(args) -> Callable | None:
     return build
 
 
+def _seq_len(text: str) -> int | str:
+    """``--seq-len``: a positive number of tokens, or ``max``."""
+    if text.strip().lower() == "max":
+        return "max"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or 'max', got {text!r}") from None
+
+
 def _efficiency(text: str) -> float | str:
     """``--efficiency`` as the planner takes it, checked before anything runs: a word, or a
     finite, positive number (``nan`` and ``inf`` read as floats and would price nothing)."""
@@ -201,42 +215,64 @@ def _efficiency(text: str) -> float | str:
 
 
 def cmd_plan(args) -> int:
-    if args.batch_size < 1 or args.seq_len < 1:
+    if args.batch_size < 1 or (args.seq_len != "max" and args.seq_len < 1):
         raise CLIError("--batch-size and --seq-len must be positive")
     efficiency = _efficiency(args.efficiency)
     hw = _hardware_from_args(args)
     cfg = load_config(args.model)
     build = _lora_builder(args)
+    if build is not None:
+        # the fine-tune exists only on the meta device: there is nothing to time
+        if efficiency == "measure":
+            raise CLIError("--efficiency measure times the model, but a LoRA plan builds it on the meta "
+                           "device (no values to run): use --efficiency calibrated or a number")
+        if efficiency == "auto":
+            efficiency = "calibrated"
     workers = available_workers()  # this process has no threads of its own: planning may fork
-    try:
+
+    def plan_at(seq_len: int):
         profile = None
         if build is not None:
-            # the fine-tune exists only on the meta device: there is nothing to time
-            if efficiency == "measure":
-                raise CLIError("--efficiency measure times the model, but a LoRA plan builds it on the meta "
-                               "device (no values to run): use --efficiency calibrated or a number")
-            if efficiency == "auto":
-                efficiency = "calibrated"
             built: list = []
 
             def build_and_keep(config):
                 built.append(build(config))
                 return built[-1]
 
-            profile = profile_model(cfg, (args.batch_size, args.seq_len), dtype=args.dtype,
+            profile = profile_model(cfg, (args.batch_size, seq_len), dtype=args.dtype,
                                     attention_target=hw.device_type, build=build_and_keep, workers=workers)
             targets = ",".join(sorted(built[-1].peft_config["default"].target_modules))
             # name the fine-tune in the summary
             profile.model_name = (f"{args.model}{' in 4 bits (nf4)' if args.load_in_4bit else ''}"
                                   f" + LoRA r{args.lora_r} ({targets})")
-        result = make_plan(cfg, (args.batch_size, args.seq_len), hardware=hw, world_size=hw.world_size,
-                           dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency,
-                           profile=profile, host_memory=args.host_memory, nvme=args.nvme is not None,
-                           workers=workers)
-    except PlanError as e:
-        print(f"hf-elixir plan: {e}", file=sys.stderr)
-        return EXIT_INFEASIBLE
-    print(summary(result))
+        return make_plan(cfg, (args.batch_size, seq_len), hardware=hw, world_size=hw.world_size,
+                         dtype=args.dtype, optimizer=args.optimizer, efficiency=efficiency,
+                         profile=profile, host_memory=args.host_memory, nvme=args.nvme is not None,
+                         workers=workers)
+
+    if args.seq_len == "max":
+        started = time.perf_counter()
+        found = longest_sequence(probe_with(plan_at), hw.device_memory)
+        if found.best is None:
+            beyond = found.beyond
+            print(f"hf-elixir plan: no sequence length fits at batch size {args.batch_size}: "
+                  f"{beyond.error if beyond is not None else 'nothing was planned'}", file=sys.stderr)
+            return EXIT_INFEASIBLE
+        result = found.best.plan
+        print(summary(result))
+        tried = ", ".join(f"{q.seq_len} {'fits' if q.fits else 'no'}" for q in found.probes)
+        limit = (f"{found.beyond.seq_len} does not fit" if found.beyond is not None
+                 else f"the search stops at {LIMIT} tokens")
+        print(f"\nlongest sequence that fits at batch size {args.batch_size}: {found.best.seq_len} tokens "
+              f"(in steps of {GRANULE}; {limit}); {len(found.probes)} plans in "
+              f"{time.perf_counter() - started:.1f} s: {tried}")
+    else:
+        try:
+            result = plan_at(args.seq_len)
+        except PlanError as e:
+            print(f"hf-elixir plan: {e}", file=sys.stderr)
+            return EXIT_INFEASIBLE
+        print(summary(result))
     if args.json_path:
         result.to_json(args.json_path)
         print(f"\nplan written to {args.json_path}")

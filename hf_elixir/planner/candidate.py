@@ -4,7 +4,7 @@ them, and the order the search ranks candidates in."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 #: an offloading plan must be predicted this much faster to be chosen over one that does not
 #: offload: its overlap with compute is the least certain part of the cost model
@@ -33,6 +33,13 @@ class Candidate:
     #: the latest start of the next forward that no host update would make wait
     #: (``host_steps.HostSide.ready``; planner/disk.py delays it by exposed disk I/O)
     host_ready: float = 0.0
+    #: the long-context levers (``planner/activations.py``): a policy per block (empty: every
+    #: block follows ``checkpointing``), the logit piece in tokens (0: whole), the MLP's
+    #: sequence tiles, and the pinned host bytes offloaded activations take
+    policies: tuple[str, ...] = ()
+    logit_piece_tokens: int = 0
+    mlp_tiles: int = 1
+    pinned_bytes: float = 0.0
 
     @property
     def n_trainable(self) -> int:
@@ -56,7 +63,7 @@ class Candidate:
     def key(self) -> tuple:
         """What the search ranks by: predicted time, offloading plans charged
         ``OFFLOAD_MARGIN`` extra (see the module docstring), then bytes moved, then memory."""
-        offloads = self.n_optim_cpu or self.n_param_cpu or self.n_frozen_cpu
+        offloads = self.n_optim_cpu or self.n_param_cpu or self.n_frozen_cpu or self.pinned_bytes
         margin = 1.0 + OFFLOAD_MARGIN if offloads else 1.0
         return (round(self.step_time * margin * 1e9), round(self.comm_bytes), round(self.pcie_bytes), self.peak)
 
@@ -70,6 +77,8 @@ class Candidate:
             "frozen_offload_chunks": self.n_frozen_cpu, "peak_bytes": int(self.peak),
             "step_time_s": self.step_time, "memory": dict(self.memory), "time": dict(self.time),
             "gathers_per_step": self.gathers,
+            "block_policies": list(self.policies), "logit_piece_tokens": self.logit_piece_tokens,
+            "mlp_tiles": self.mlp_tiles, "pinned_activation_bytes": int(self.pinned_bytes),
         }
 
 
@@ -91,7 +100,7 @@ def chain(cands: list[Candidate]) -> list[Candidate]:
 
 def signature(c: Candidate) -> tuple:
     return (c.chunk_size, c.checkpointing, c.rcache_blocks, c.prefetch_depth, c.n_optim_cpu, c.n_param_cpu,
-            c.n_frozen_cpu)
+            c.n_frozen_cpu, tuple(c.policies), c.logit_piece_tokens, c.mlp_tiles)
 
 
 def config_label(c: Candidate) -> str:
@@ -99,4 +108,31 @@ def config_label(c: Candidate) -> str:
     return (f"chunk {c.chunk_size / 1e6:.2f}M x{c.n_chunks}, rCache {c.rcache_blocks}, "
             f"ckpt {'on' if c.checkpointing else 'off'}, prefetch {c.prefetch_depth}, "
             f"optim offload {c.n_optim_cpu}/{c.n_trainable}, param offload {c.n_param_cpu}/{c.n_trainable}"
-            f"{frozen}")
+            f"{frozen}{_long_context_label(c)}")
+
+
+def _long_context_label(c: Candidate) -> str:
+    if not (c.policies or c.logit_piece_tokens or c.mlp_tiles > 1):
+        return ""
+    parts = [f"blocks {describe_runs(c.policies)}"] if c.policies else []
+    if c.logit_piece_tokens:
+        parts.append(f"logits in pieces of {c.logit_piece_tokens}")
+    if c.mlp_tiles > 1:
+        parts.append(f"MLP in {c.mlp_tiles} tiles")
+    return ", " + ", ".join(parts)
+
+
+def runs(policies: Sequence[str]) -> list[tuple[int, int, str]]:
+    """``(first, last, policy)`` for each run of consecutive blocks with one policy."""
+    out: list[tuple[int, int, str]] = []
+    for i, p in enumerate(policies):
+        if out and out[-1][2] == p:
+            out[-1] = (out[-1][0], i, p)
+        else:
+            out.append((i, i, p))
+    return out
+
+
+def describe_runs(policies: Sequence[str]) -> str:
+    """``0-27 recompute_offload, 28-31 recompute``: the policies, compactly."""
+    return ", ".join(f"{a}-{b} {p}" if a != b else f"{a} {p}" for a, b, p in runs(policies))

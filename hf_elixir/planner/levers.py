@@ -40,7 +40,8 @@ def recovery_options(best: Candidate, cands: list[Candidate], allocator_fraction
     smaller one kept (the others are never the right choice for any memory target). The
     same walk over the unsplit options alone is kept too, for a runtime that cannot split."""
     same = [c for c in cands if c.chunk_size == best.chunk_size and c.n_optim_cpu == best.n_optim_cpu
-            and c.n_param_cpu == best.n_param_cpu and c.n_frozen_cpu == best.n_frozen_cpu]
+            and c.n_param_cpu == best.n_param_cpu and c.n_frozen_cpu == best.n_frozen_cpu
+            and not c.policies and not c.logit_piece_tokens and c.mlp_tiles == 1]
     priced: dict[tuple, dict[str, Any]] = {}
     for c in same:
         for k in SPLITS:

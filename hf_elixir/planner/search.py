@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from hf_elixir.hardware import HardwareProfile, parse_memory
-from hf_elixir.planner import cost, disk, fetches, host_steps, levers, packing, pricing, traffic
+from hf_elixir.planner import activations, cost, disk, fetches, host_steps, levers, packing, pricing, traffic
 from hf_elixir.planner.candidate import Candidate, chain, signature
 from hf_elixir.planner.efficiency import check_efficiency, compute_figures, model_efficiency
 from hf_elixir.planner.memo import CandidateMemo
@@ -187,7 +187,8 @@ def _enumerate(profile: ModelProfile, hw: HardwareProfile, world_size: int, comp
     tried = list(packing.chunk_size_candidates(sizes.values(), world_size))
     made = forked_map(one_packing, tried, workers)
     packings = {S: chunks for S, (chunks, _) in zip(tried, made)}
-    return [c for _, found in made for c in found], packings
+    found = [c for _, found in made for c in found]  # and with the long-context levers:
+    return found + activations.of_profile(found, profile, priced, hw, figs, context), packings
 
 
 def frozen_chunk_ids(chunks: list[list[str]], frozen_names: frozenset[str] | set[str]) -> frozenset[int]:
@@ -507,6 +508,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
                    "context_bytes": hw.context_bytes if hw.device_type == "cuda" else 0},
         **(extra or {}),
         **({"disk": disk.predictions(c, W, optimizer, hw)} if c.n_optim_disk else {}),
+        **activations.predictions(c),
     }
     result = ElixirPlan(
         world_size=W,
@@ -520,6 +522,8 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         borrowed={m: list(ps) for m, ps in profile.borrowed.items()},
         min_rcache_blocks=rcache_minimum(step.trace.pins, step.trace.module_params, chunks),
         signature=model_signature(named),
+        block_policies=activations.block_policies(c, profile.extra.get("block_path", "")),
+        logit_piece_tokens=c.logit_piece_tokens,
         predictions=predictions,
     )
     # bytes on the wire, as the runtime counts them (see traffic.py)
@@ -547,7 +551,8 @@ def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: Hardwar
     for alt in chosen.alternatives:
         sig = (alt["chunk_size"], alt["activation_checkpointing"], alt["rcache_blocks"],
                alt["prefetch_depth"], alt["optim_offload_chunks"], alt["param_offload_chunks"],
-               alt.get("frozen_offload_chunks", 0))
+               alt.get("frozen_offload_chunks", 0), tuple(alt.get("block_policies", ())),
+               alt.get("logit_piece_tokens", 0), alt.get("mlp_tiles", 1))
         c = keyed[sig]
         p = materialize(c, packings[c.chunk_size], profile, hw, W, dtype, optimizer,
                         chosen.predictions.get("budget_bytes", c.peak))
@@ -583,11 +588,12 @@ HOST_USABLE = 0.9  # share of the node's CPU memory offloaded state may take (th
 def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
     """Host bytes one rank's offloaded state takes at most (every chunk counted full size):
     master, optimizer state and gradient shard per offloaded optimizer, the compute-dtype
-    shard per offloaded trainable or frozen chunk."""
+    shard per offloaded trainable or frozen chunk, and the pinned memory offloaded
+    activations wait in (``activations``)."""
     shard = c.chunk_size // W
     per = disk.bytes_per_element(optimizer)
     # disk chunks keep none of it here (their gradient shards are on disk too), and the
     # rings hold a few of them
     on_disk = disk.disk_bytes(c, W, optimizer) - disk.ring_bytes(c, W, optimizer)
     return (c.n_optim_cpu * shard * per - on_disk
-            + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype])
+            + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype] + c.pinned_bytes)

@@ -10,9 +10,36 @@ _MEM_ORDER = ("parameters", "frozen_shards", "master_weights", "optimizer_state"
               "activations", "buffers", "frozen_and_buffers", "margin")
 
 
-def _row(label: str, d: dict[str, Any], frozen: bool) -> list[str]:
+#: the block policies as the table abbreviates them
+_POLICY_SHORT = {"keep": "keep", "recompute": "rec", "recompute_offload": "rec+off", "offload": "off"}
+
+
+def policy_cell(policies: list[str]) -> str:
+    """Runs of blocks with one policy, compactly: ``0-29 rec+off, 30-31 rec``."""
+    out: list[str] = []
+    start = 0
+    for i in range(1, len(policies) + 1):
+        if i == len(policies) or policies[i] != policies[start]:
+            span = f"{start}-{i - 1}" if i - 1 > start else f"{start}"
+            out.append(f"{span} {_POLICY_SHORT.get(policies[start], policies[start])}")
+            start = i
+    return ", ".join(out)
+
+
+def _long_context_cells(d: dict[str, Any]) -> list[str]:
+    """The blocks' policies and the logits' pieces (and the MLP's tiles) of one row."""
+    policies = d.get("block_policies") or []
+    blocks = policy_cell(policies) if policies else ("all rec" if d["activation_checkpointing"] else "all keep")
+    piece = d.get("logit_piece_tokens", 0)
+    logits = f"pieces of {piece}" if piece else "whole"
+    tiles = d.get("mlp_tiles", 1)
+    return [blocks, logits + (f", MLP x{tiles}" if tiles > 1 else "")]
+
+
+def _row(label: str, d: dict[str, Any], frozen: bool, long_context: bool = False) -> list[str]:
     """One table row; ``frozen``: the plan has frozen chunks, so the frozen columns are shown
-    (trainable offload counts are then out of the trainable chunks)."""
+    (trainable offload counts are then out of the trainable chunks); ``long_context``: some
+    row has per-block policies, logit pieces or MLP tiles, so their columns are shown."""
     t = d.get("time", {})
     n = d.get("n_chunks") or 1
     nf = d.get("frozen_chunks", 0)
@@ -22,6 +49,7 @@ def _row(label: str, d: dict[str, Any], frozen: bool) -> list[str]:
         f"{d['chunk_size'] / 1e6:.2f}M x{n}",
         str(d["rcache_blocks"]),
         "on" if d["activation_checkpointing"] else "off",
+        *(_long_context_cells(d) if long_context else []),
         str(d["prefetch_depth"]),
         f"{d['optim_offload_chunks']}/{nt}" + (f" ({d['optim_disk_chunks']} disk)" if d.get("optim_disk_chunks") else ""),
         f"{d['param_offload_chunks']}/{nt}",
@@ -56,6 +84,10 @@ def chosen_as_dict(plan) -> dict[str, Any]:
         "frozen_offload_chunks": sum(c.param_placement == "cpu" and c.frozen for c in plan.chunks),
         "peak_bytes": p.get("peak_bytes", 0), "step_time_s": p.get("step_time_s", 0.0),
         "memory": p.get("memory", {}), "time": p.get("time", {}), "reason": CHOICE_RULE,
+        # in block order (the plan names each block; the search wrote them in order)
+        "block_policies": list(plan.block_policies.values()),
+        "logit_piece_tokens": plan.logit_piece_tokens,
+        "mlp_tiles": p.get("long_context", {}).get("mlp_tiles", 1),
     }
 
 
@@ -105,6 +137,7 @@ def summary(plan) -> str:
                          f"{format_bytes(node)} per machine")
         if p.get("disk"):
             lines += _tiers(plan)
+        lines += _long_context_lines(plan)
         if plan.micro_batch_split > 1:
             b = p.get("batch_size")
             lines.append(f"  micro-batch: each batch of {b * plan.micro_batch_split if b else '?'} per device runs as "
@@ -126,14 +159,15 @@ def summary(plan) -> str:
         for k, v in p.get("time", {}).items():
             lines.append(f"    {k:<22} {v * 1e3:>10.2f} ms")
         lines.append("")
-    header = ["", "chunks", "rCache", "ckpt", "prefetch", "optim off", "param off",
+    entries = ([("chosen", chosen_as_dict(plan))] if p else []) + [
+        (f"alt {i + 1}", a) for i, a in enumerate(plan.alternatives)]
+    long_context = any(d.get("block_policies") or d.get("logit_piece_tokens") or d.get("mlp_tiles", 1) > 1
+                       for _, d in entries)
+    header = ["", "chunks", "rCache", "ckpt", *(["blocks", "logits"] if long_context else []),
+              "prefetch", "optim off", "param off",
               *(["frozen off", f"frozen/{per}"] if frozen else []), f"peak/{per}",
               "step", "comp/comm/opt/cpu ms", "why"]
-    rows = [header]
-    if p:
-        rows.append(_row("chosen", chosen_as_dict(plan), frozen))
-    for i, a in enumerate(plan.alternatives):
-        rows.append(_row(f"alt {i + 1}", a, frozen))
+    rows = [header] + [_row(label, d, frozen, long_context) for label, d in entries]
     if len(rows) > 1:
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         for r in rows:
@@ -144,6 +178,30 @@ def summary(plan) -> str:
                      f"optimizer offload {plan.offload_fraction():.0%} (no predictions recorded)")
     lines.extend(_notes(plan))
     return "\n".join(lines)
+
+
+def _long_context_lines(plan) -> list[str]:
+    """The long-context levers the plan uses, in words: each run of blocks' policy, the
+    logit pieces, the MLP's tiles and the pinned host memory offloaded activations take."""
+    lc = plan.predictions.get("long_context")
+    if not lc:
+        return []
+    names = {"keep": "kept", "recompute": "recomputed", "recompute_offload": "recomputed from an input in host "
+             "memory", "offload": "kept in host memory"}
+    runs = "; ".join(f"block{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''} {names.get(pol, pol)}"
+                     for a, b, pol in lc.get("block_policy_runs", []))
+    out = []
+    if runs:
+        out.append(f"  activations: {runs}")
+    if lc.get("pinned_activation_bytes"):
+        out.append(f"  pinned host memory for offloaded activations: "
+                   f"{format_bytes(lc['pinned_activation_bytes'])} per GPU (in the host memory above)")
+    piece = lc.get("logit_piece_tokens", 0)
+    out.append(f"  logits: {'in pieces of ' + str(piece) + ' tokens (one piece and its gradient at a time)' if piece else 'whole'}")
+    if lc.get("mlp_tiles", 1) > 1:
+        out.append(f"  MLP over {lc['mlp_tiles']} sequence tiles (one tile's intermediate at a time; "
+                   "ElixirPlan has no field for it yet: predictions['long_context']['mlp_tiles'])")
+    return out
 
 
 def _efficiency_source(eff: dict[str, Any]) -> str:

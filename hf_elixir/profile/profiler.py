@@ -16,6 +16,7 @@ from torch import nn
 
 from hf_elixir.profile import fold as folding
 from hf_elixir.profile.forked import forked_map
+from hf_elixir.profile.lora import decoder_blocks
 from hf_elixir.profile.params import chunk_numel, chunked_parameters, detect_fetch_units
 from hf_elixir.profile.quant import packed_weights, quant_state_bytes
 from hf_elixir.vocab import DTYPE_BYTES, canonical_dtype
@@ -408,7 +409,23 @@ def _profile_meta(meta: nn.Module, example_batch: dict[str, torch.Tensor] | tupl
         attention_target=attention_target,
         model_name=type(meta).__name__,
         borrowed=borrowed,
+        extra=_block_extra(meta),
     )
+
+
+def _block_extra(meta: nn.Module) -> dict[str, Any]:
+    """Where the decoder blocks are (``profile.blocks`` cuts the traces there) and the
+    head's shape (vocabulary, width), which the long-context planner prices per token."""
+    found = decoder_blocks(meta)
+    config = getattr(meta, "config", None)
+    extra: dict[str, Any] = {}
+    if found is not None:
+        extra["block_path"] = found[0]
+    for key, attr in (("vocab_size", "vocab_size"), ("hidden_size", "hidden_size")):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            extra[key] = value
+    return extra
 
 
 def measure_real_step(
