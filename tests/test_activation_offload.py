@@ -96,6 +96,8 @@ def test_offloaded_inputs_train_as_checkpointing_bit_for_bit_with_two_blocks_on_
         assert counts["peak_blocks_on_device"] == 2
         assert offloaded["ledger_peak"] == 2 * one_block
         assert counts["blocks_on_device"] == 0 and offloaded["ledger_now"] == 0
+        # the host held all four at the forward's end, and holds none after the backward
+        assert counts["peak_host_bytes"] == LAYERS * one_block and counts["host_bytes"] == 0
         assert plain["offload"]["copies_out"] == 0 and plain["ledger_peak"] == 0
 
 
@@ -275,3 +277,4 @@ def test_a_backward_that_raised_leaves_no_activations_behind() -> None:
     loss.backward()
     report = emodel.memory_report()  # the graph is still alive: only the callback frees
     assert report["current"][LEDGER_CATEGORY] == 0 and report["activation_offload"]["blocks_on_device"] == 0
+    assert report["activation_offload"]["host_bytes"] == 0

@@ -39,7 +39,8 @@ On a CPU compute device the "host" copies are other allocations of the same memo
 synchronously: nothing is saved, but the mechanism, its order and its accounting run as on
 a GPU, which is how the tests check them. The bytes of offloaded blocks' saved tensors on
 the device are the ledger's ``offloaded_activations``; ``report()`` adds how many groups are
-on the device now and at most, and the copies made.
+on the device now and at most, the bytes of the host copies now and at most, and the
+copies made.
 """
 
 from __future__ import annotations
@@ -68,10 +69,11 @@ class _Entry:
 
 @dataclass
 class _Held:
-    """The device bytes a group holds; kept apart from the group so that the group's
-    finalizer can settle the ledger without keeping the group alive."""
+    """The device and host bytes a group holds; kept apart from the group so that the
+    group's finalizer can settle the counts without keeping the group alive."""
 
     nbytes: int = 0
+    host_nbytes: int = 0
 
 
 @dataclass(eq=False)
@@ -150,12 +152,15 @@ class ActivationOffloader:
         self.counts = OffloadCounts()
         self.blocks_on_device = 0
         self.peak_blocks_on_device = 0
+        #: bytes of host copies alive now and at most (what pinned host memory must hold)
+        self.host_bytes = 0
+        self.peak_host_bytes = 0
         self._open: list[_Group] = []
         self._last_closed: Optional[weakref.ReferenceType[_Group]] = None
         self._unsettled: list[weakref.ReferenceType[_Group]] = []  # closed, copies out not waited for
-        self._in_use: list[weakref.ReferenceType[_Group]] = []     # read by the running backward
+        self._in_use: list[weakref.ReferenceType[_Group]] = []     # on the device for the running backward
+        self._used: list[weakref.ReferenceType[_Group]] = []       # read by the running backward
         self._callback_queued = False
-
 
     # ------------------------------------------------------------------ forward
     @contextlib.contextmanager
@@ -231,6 +236,7 @@ class ActivationOffloader:
         """The backward reached ``group``: have it on the device, drop the groups it is done
         with, and start bringing up the one it reaches next."""
         group.used = True
+        self._used.append(weakref.ref(group))
         self._queue_end_callback()
         for ref in self._in_use:
             done = ref()
@@ -259,14 +265,18 @@ class ActivationOffloader:
             group = ref()
             if group is not None:
                 self._drop_device(group)
-                if group.used:
-                    self._free_host(group)
-        self._in_use = []
+        for ref in self._used:
+            group = ref()
+            if group is not None:
+                self._free_host(group)
+        self._in_use, self._used = [], []
 
     def _free_host(self, group: _Group) -> None:
         group.freed = True
         for entry in group.entries:
-            entry.host = None
+            if entry.host is not None:
+                entry.host = None
+                self._account_host(group, -entry.nbytes)
 
     # ------------------------------------------------------------------ copies and waits
     def _copy(self, group: _Group, to_host: bool, current: bool = False) -> None:
@@ -282,6 +292,7 @@ class ActivationOffloader:
                      for e in group.entries]
             for entry, (_, host) in zip(group.entries, pairs):
                 entry.host = host
+                self._account_host(group, entry.nbytes)
         else:
             pairs = []
             for entry in group.entries:
@@ -341,21 +352,25 @@ class ActivationOffloader:
         elif before > 0 and group.held.nbytes == 0:
             self.blocks_on_device -= 1
 
+    def _account_host(self, group: _Group, nbytes: int) -> None:
+        group.held.host_nbytes += nbytes
+        self.host_bytes += nbytes
+        self.peak_host_bytes = max(self.peak_host_bytes, self.host_bytes)
+
     def _forget(self, held: _Held) -> None:
-        """A group died (its graph was freed) with device bytes still counted."""
+        """A group died (its graph was freed) with bytes still counted."""
+        self.host_bytes -= held.host_nbytes
+        held.host_nbytes = 0
         if held.nbytes:
             self.ledger.sub(LEDGER_CATEGORY, held.nbytes)
             held.nbytes = 0
             self.blocks_on_device -= 1
 
-    def reset_peak(self) -> None:
-        self.peak_blocks_on_device = self.blocks_on_device
-
     def report(self) -> dict:
-        """Groups (block calls) whose saved tensors are on the device now and at most, and the
-        copies made (``OffloadCounts``)."""
+        """Groups (block calls) whose saved tensors are on the device now and at most, the
+        bytes of their host copies now and at most, and the copies made (``OffloadCounts``)."""
         return {"blocks_on_device": self.blocks_on_device, "peak_blocks_on_device": self.peak_blocks_on_device,
-                **vars(self.counts)}
+                "host_bytes": self.host_bytes, "peak_host_bytes": self.peak_host_bytes, **vars(self.counts)}
 
 
 __all__ = ["ActivationOffloader", "LEDGER_CATEGORY", "OffloadCounts", "is_dense"]
