@@ -470,8 +470,8 @@ def start_state(m: Any) -> tuple:
 
 def adopt_plan(m: Any, plan: ElixirPlan) -> None:
     """Move ElixirModule ``m`` to ``plan``, which packs and places every parameter as its
-    current plan does: the new activation checkpointing, rCache and prefetch depth take
-    effect at once, and no shard moves. Every gathered chunk is dropped first, so every rank
+    current plan does: the new activation checkpointing and block policies, rCache and
+    prefetch depth take effect at once, and no shard moves. Every gathered chunk is dropped first, so every rank
     starts the next pass from the same (empty) cache."""
     if not same_packing(m.plan, plan):
         raise PlanError("adopt_plan needs a plan with the same chunks and placements as the current one")
