@@ -110,6 +110,29 @@ class CompileOptions:
         return f"backend {backend}" + (f", mode {self.mode}" if self.mode else "")
 
 
+def _watch_first_call(compiled: Callable, name: str) -> Callable:
+    """``compiled``, whose first call warns when dynamo broke the block's graph (a part of
+    it then runs eager, or all of it: the request must not fade without a word)."""
+    from torch._dynamo.utils import counters
+
+    first = [True]
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not first[0]:
+            return compiled(*args, **kwargs)
+        first[0] = False
+        before = dict(counters["graph_break"])
+        out = compiled(*args, **kwargs)
+        new = [reason for reason, n in counters["graph_break"].items() if n > before.get(reason, 0)]
+        if new:
+            warnings.warn(f"hf_elixir: torch.compile broke the graph of block {name!r} ({'; '.join(new)[:400]}); "
+                          "the parts between the breaks are compiled, the rest runs eager "
+                          "(TORCH_LOGS=graph_breaks shows where)", CompileWarning, stacklevel=2)
+        return out
+
+    return forward
+
+
 def repeated_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """(name, module) of each child of a ``ModuleList`` whose children all share one class
     and hold parameters (a model's decoder layers), outermost lists only: a list inside a
@@ -187,12 +210,19 @@ class RegionalCompile:
 
     def apply(self) -> None:
         """Compile each block's forward (its ``__call__`` and hooks stay eager). Blocks of one
-        class share one code object, so their siblings reuse the first one's compiled code."""
+        class share one code object, so their siblings reuse the first one's compiled code.
+
+        A block that checkpoints inside its forward (Transformers' checkpointing layers do)
+        is traced through the checkpoint; a context variable a hub kernel sets in the
+        forward made dynamo give the whole block up, silently. Skipping such side effects in
+        the recomputation is what Accelerate's regional compilation sets too."""
         if not self.active or self._applied:
             return
+        torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
         kwargs = self.options.kwargs()
-        for _, block in self.blocks:
-            block.forward = torch.compile(block.forward, **kwargs)
+        for i, (name, block) in enumerate(self.blocks):
+            compiled = torch.compile(block.forward, **kwargs)
+            block.forward = _watch_first_call(compiled, name) if i == 0 else compiled
             self._applied.append(block)
 
     def remove(self) -> None:
