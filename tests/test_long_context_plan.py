@@ -13,7 +13,7 @@ from hf_elixir.cli import main
 from hf_elixir.planner import activations
 from hf_elixir.planner.activations import Levers
 from hf_elixir.planner.longest import Probe, longest_sequence
-from hf_elixir.planner.record import BLOCK_POLICIES, ElixirPlan, PlanError
+from hf_elixir.planner.record import BLOCK_POLICIES, ElixirPlan
 from hf_elixir.planner.search import plan
 from hf_elixir.profile import profile_model
 from hf_elixir.profile.blocks import block_figures
@@ -86,7 +86,11 @@ def test_offloaded_inputs_peak_is_the_trace_less_what_waits_on_the_host(tiny_pro
     n = model.n
     assert _walked_peak(tiny_profile, offloaded=False) == tiny_profile.checkpointed.memory.peak
     offloaded = model.peak(Levers(("recompute_offload",) * n))
-    assert offloaded == _walked_peak(tiny_profile, offloaded=True)
+    # beside the walk: the copies of the shared inputs (rotary tables, position ids) in the
+    # two groups a backward holds, which the trace never saw
+    walked = _walked_peak(tiny_profile, offloaded=True)
+    assert model.shared_inputs > 0
+    assert walked <= offloaded <= walked + 2 * model.shared_inputs
     assert offloaded < model.peak(Levers(("recompute",) * n))
 
 
@@ -109,7 +113,8 @@ def test_offload_is_priced_against_the_host_link_and_the_compute_it_hides_behind
     levers = Levers(("recompute_offload",) * 4)
     fast = _model(tiny_profile, h2d=1e15).time_change(levers)
     slow = _model(tiny_profile, h2d=1e6).time_change(levers)
-    held = [b.held for b in _model(tiny_profile).ckpt.blocks]
+    model = _model(tiny_profile)
+    held = [b.held + model.shared_inputs for b in model.ckpt.blocks]
     assert fast[1] == 0 and fast[2] == sum(held)
     copies = 2 * sum(held) / 1e6  # out and back, at 1 MB/s
     compute = 1e-3 * (len(tiny_profile.checkpointed.trace.events))  # every event 1 ms in _model
@@ -154,18 +159,18 @@ def test_search_writes_policies_and_pieces_into_a_gpu_plan_that_needs_them(tight
 
 
 def test_pinned_activations_count_against_host_memory(tight_gpu):
-    """The pinned inputs are host memory like offloaded state: with room for them the plan
-    holds, with a host too small for any plan's pinned inputs it is refused, and the error
-    names CPU memory, not device memory."""
+    """The pinned inputs are host memory like offloaded state: the plan counts them in its
+    host bytes, and given a host too small for them it offloads no more than fits there
+    (here: none, fitting the device with smaller logit pieces and MLP tiles instead)."""
     roomy = _tight_plan(tight_gpu)
     pinned = roomy.predictions["long_context"]["pinned_activation_bytes"]
     assert pinned > 0, "the plan was expected to offload activations"
     assert roomy.predictions["host_bytes_per_rank"] >= pinned
-    usable = roomy.predictions["host_bytes_per_rank"]
-    enough = _tight_plan(tight_gpu, host_memory=int(usable / 0.9) + 1)
-    assert enough.predictions["host_bytes_per_rank"] <= usable
-    with pytest.raises(PlanError, match="of CPU memory per node"):
-        _tight_plan(tight_gpu, host_memory=int(pinned / 4 / 0.9))
+    usable = pinned // 4
+    tight = _tight_plan(tight_gpu, host_memory=int(usable / 0.9))
+    assert tight.predictions["peak_bytes"] <= tight_gpu[2]
+    assert tight.predictions["long_context"]["pinned_activation_bytes"] <= usable
+    assert tight.predictions["host_bytes_per_rank"] <= usable + 1
 
 
 def test_longest_sequence_brackets_within_one_granule():

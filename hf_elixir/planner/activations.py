@@ -120,12 +120,20 @@ class ActivationModel:
             return self.ckpt.blocks[i].held
         return 0.0
 
+    @property
+    def shared_inputs(self) -> float:
+        """Bytes every block reads beside the hidden state (the rotary tables, position
+        ids): alive before the first block, beyond its input. Each offloaded block's group
+        holds them too (the runtime copies what one call of the block saves), so they travel
+        with every offloaded block."""
+        return max(0.0, self.ckpt.before - self.hidden_bytes)
+
     def _moving(self, i: int, policy: str) -> float:
         """Bytes of block ``i`` that travel to the host and back (0 unless offloaded)."""
         if policy == "recompute_offload":
-            return self.ckpt.blocks[i].held
+            return self.ckpt.blocks[i].held + self.shared_inputs
         if policy == "offload":
-            return self.plain.blocks[i].held
+            return self.plain.blocks[i].held + self.shared_inputs
         return 0.0
 
     def _stretch_top(self, s: Stretch, tiles: int) -> float:
@@ -142,11 +150,16 @@ class ActivationModel:
             recomputed = pol in ("recompute", "recompute_offload")
             cut = self.ckpt if recomputed else self.plain
             blk = cut.blocks[i]
-            prev = self._moving(i - 1, policies[i - 1]) if i else 0.0
             t = tiles if recomputed else 1
-            fwd = base + below + prev + self._stretch_top(blk.forward, t)
-            # its own held bytes are back (or never left) while its backward runs
-            bwd = base + cut.backward_base + below + blk.held + prev + self._stretch_top(blk.backward, t)
+            # in forward the block before's group is still on the device, being copied out
+            # (the tensors themselves, not copies: the shared inputs are in ``base``)
+            out = self._moving(i - 1, policies[i - 1]) - self.shared_inputs if i else 0.0
+            fwd = base + below + max(0.0, out) + self._stretch_top(blk.forward, t)
+            # in backward its own group is back (or never left) and the one below comes up,
+            # each with its copy of the shared inputs
+            own = self._moving(i, pol) or blk.held
+            up = self._moving(i - 1, policies[i - 1]) if i else 0.0
+            bwd = base + cut.backward_base + below + own + up + self._stretch_top(blk.backward, t)
             top = max(top, fwd, bwd)
             below += self._held(i, pol)
         return top
