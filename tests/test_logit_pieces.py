@@ -277,10 +277,22 @@ def test_heads_and_losses_of_another_shape_run_whole_and_say_why() -> None:
         assert emodel(input_ids=ids, labels=ids).logits.shape == (1, 32, 96)
 
 
+class NoLoss(tf.LlamaForCausalLM):
+    """Takes labels but computes no loss: its logits are all it returns."""
+
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        return tf.modeling_outputs.CausalLMOutputWithPast(logits=self.lm_head(self.model(input_ids).last_hidden_state))
+
+
 def test_logits_changed_after_the_head_without_notice_are_refused() -> None:
     """A hook that changes the head's output (the loss would see other logits than the head
-    made) is an error naming the way out, not a silently different loss; whole logits run."""
+    made), or a forward that hands the head's logits to no loss (they would be empty), is an
+    error naming the way out, not a silently different result; whole logits run."""
     ids = tokens(batch=1, seq=32, vocab=96)
+    model = NoLoss(llama(vocab=96, seq=32).config).train()
+    emodel = hfe.ElixirModule(model, hfe.ElixirPlan.simple(model), logit_piece_tokens=7)
+    with pytest.raises(LogitPieceError, match="did not hand its head's logits"):
+        emodel(input_ids=ids, labels=ids)
     for tokens_per_piece in (7, 0):
         model = llama(vocab=96, seq=32)
         model.lm_head.register_forward_hook(lambda module, args, out: out * 2)

@@ -207,9 +207,16 @@ class PiecedForward:
         else:
             lm._loss_function = self._saved_loss
         self._saved_loss = None
-        if not call.pieced:
-            return None
-        return without_logits(output, call.head_out)
+        if call.pieced:
+            return without_logits(output, call.head_out)
+        if call.hidden is not None and output is not None:  # (None: the forward raised)
+            # the head made logits for no token and no loss took its input: the output's
+            # logits are empty, which must not pass for the model's
+            raise LogitPieceError(
+                f"{type(self.shape.lm).__name__} did not hand its head's logits to its loss_function, so its loss "
+                "cannot be computed in logit pieces; set the elixir option logit_piece_tokens to 0 (whole "
+                "logits) for this model")
+        return None
 
 
 def without_logits(output: Any, empty: Optional[torch.Tensor]) -> Any:
