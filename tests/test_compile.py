@@ -256,3 +256,41 @@ def test_a_graph_break_inside_a_block_is_said() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", CompileWarning)  # said once, not every call
         emodel(input_ids=torch.zeros(1, 4, dtype=torch.long)).sum().backward()
+
+
+def _replan_run(compile) -> dict:
+    """Two steps, a re-plan to an rCache of one block (as a recovery may choose), two more."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model("llama")
+    plan = hfe.ElixirPlan.simple(model, 1, chunk_size=1 << 13, offload_params=True, offload_fraction=1.0)
+    emodel = hfe.ElixirModule(model, plan, compile=compile)
+    eopt = hfe.ElixirOptimizer(emodel, torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-6, fused=True))
+    ids, losses, counts = make_batch(4, 16), [], []
+    for step in range(4):
+        if step == 2:
+            emodel.adopt_plan(dataclasses.replace(emodel.plan, rcache_blocks=1))
+        loss = emodel(input_ids=ids, labels=ids).loss
+        eopt.backward(loss)
+        eopt.step()
+        eopt.zero_grad()
+        losses.append(loss.item())
+        counts.append(dynamo_counts())
+    return {"losses": losses, "counts": counts, "rcache": emodel.plan.rcache_blocks, "need": emodel.compiled.need}
+
+
+def test_a_replan_keeps_the_compiled_blocks_valid_and_their_chunks_cached() -> None:
+    """A re-plan (out-of-memory recovery's adopt_plan) leaves no stale graph: the compiled
+    code depends on shapes only and serves on, with no compile after the first step; an
+    rCache too small for a block's chunks is kept at what the block needs, with a warning,
+    rather than failing the block's fetch."""
+    eager = _replan_run(None)
+    with pytest.warns(CompileWarning, match=r"rCache of 1 block\(s\) cannot hold a compiled block's \d+ chunks"):
+        compiled = _replan_run("aot_eager")
+    assert eager["rcache"] == 1 and compiled["need"] > 1 and compiled["rcache"] == compiled["need"]
+    assert compiled["counts"][0]["frames_ok"] == 1 and all(c == compiled["counts"][0] for c in compiled["counts"])
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=1e-5)

@@ -27,6 +27,7 @@ nearest mode without CUDA graphs is used instead, with a warning.
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Union
@@ -156,6 +157,8 @@ class RegionalCompile:
     options: Optional[CompileOptions]
     blocks: list[tuple[str, nn.Module]] = field(default_factory=list)
     reason: Optional[str] = None
+    #: the most chunks one compiled block reads: the rCache must hold them all at once
+    need: int = 0
     _applied: list[nn.Module] = field(default_factory=list)
 
     @classmethod
@@ -191,7 +194,18 @@ class RegionalCompile:
                                        f"all of them gathered at once, but the plan's rCache holds "
                                        f"{rcache_blocks}; plan with rcache_blocks >= {need} or a larger "
                                        "chunk size to compile")
-        return cls(options, blocks)
+        return cls(options, blocks, need=need)
+
+    def fit(self, plan: ElixirPlan) -> ElixirPlan:
+        """``plan`` (a re-plan after running out of memory), with an rCache that still holds
+        a compiled block's chunks: a block is fetched whole, and fewer blocks would fail its
+        fetch. The compiled code itself depends on shapes only, so it stays valid."""
+        if not self.active or plan.rcache_blocks >= self.need:
+            return plan
+        warnings.warn(f"hf_elixir: the new plan's rCache of {plan.rcache_blocks} block(s) cannot hold a compiled "
+                      f"block's {self.need} chunks, which are gathered together; it keeps {self.need}",
+                      CompileWarning, stacklevel=3)
+        return dataclasses.replace(plan, rcache_blocks=self.need)
 
     @classmethod
     def _eager(cls, options: CompileOptions, why: str) -> "RegionalCompile":

@@ -354,7 +354,7 @@ class ElixirModule(nn.Module):
         """Run from now on under ``plan``, which packs the parameters as the current plan does
         (a re-plan after running out of memory; ``recovery.adopt_plan``). Collective in effect:
         every rank calls it at the same point of the run, with the same plan."""
-        adopt_plan(self, plan)
+        adopt_plan(self, self.compiled.fit(plan))
 
     @torch.no_grad()
     def generate(self, *args: Any, **kwargs: Any) -> Any:
