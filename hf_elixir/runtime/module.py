@@ -27,6 +27,7 @@ from hf_elixir.runtime.block_policies import BlockPolicies, check_block_policies
 from hf_elixir.runtime.cache import RCache
 from hf_elixir.runtime.chunk import Chunk, ChunkState, Slot
 from hf_elixir.runtime.comm import Collectives
+from hf_elixir.runtime.compiled import CompileOptions, RegionalCompile
 from hf_elixir.runtime.devices import move_to_device, pinned_pool, resolve_device
 from hf_elixir.runtime.disk_tier import DiskTier, clear_grad, prepare as prepare_disk
 from hf_elixir.runtime.fetch import Fetcher
@@ -71,6 +72,9 @@ class ElixirModule(nn.Module):
             whole logits), instead of the plan's ``logit_piece_tokens``; where the model's head
             or loss is not of the shape the pieces replace, it runs whole and
             ``logit_pieces.note`` says why (runtime/logit_pieces.py).
+        compile: torch.compile each repeated block (decoder layer), hooks outside: True
+            (inductor), a backend name, a dict of torch.compile options or CompileOptions
+            (runtime/compiled.py); where it cannot apply, a warning says why and it runs eager.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class ElixirModule(nn.Module):
         replanner: Optional[Replanner] = None,
         nvme_path: Optional[str] = None,
         logit_piece_tokens: Optional[int] = None,
+        compile: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(f"ElixirModule wraps an nn.Module, got {type(model).__name__}")
@@ -108,6 +113,8 @@ class ElixirModule(nn.Module):
             )
         check_block_policies(model, plan)
         disk_plan = prepare_disk(plan, model, world_size, resolve_device(device), nvme_path)
+        #: the blocks compiled one at a time, each fetched whole (runtime/compiled.py)
+        self.compiled = RegionalCompile.prepare(model, CompileOptions.parse(compile), plan)
         # ---- validated: from here on the model is changed
         super().__init__()
         self.module = model
@@ -174,6 +181,7 @@ class ElixirModule(nn.Module):
             cache=self.cache,
         )
         self.hooks.install()
+        self.compiled.apply()
         self.recovery = Recovery(self, replanner=replanner, enabled=recover_oom)
         # injected failures fire with or without recovery (an opt-out run must fail as one)
         self.hooks.fault_check = self.recovery.check if self.recovery.injector is not None else None
@@ -319,14 +327,15 @@ class ElixirModule(nn.Module):
         their chunks too, or it would read empty tensors."""
         chunk_of = {id(s.param): self._slot_chunk[s.index] for s in self.slots}
         chunk_by_name = {s.name: self._slot_chunk[s.index] for s in self.slots}
-        unit_names = list(self.plan.fetch_units)
+        unit_names = list(self.plan.fetch_units) + self.compiled.unit_names
         units: dict[nn.Module, list[int]] = {}
         for name, mod in self.module.named_modules():
             if any(name.startswith(u + ".") for u in unit_names if u):
                 continue
             recurse = name in unit_names
             cids = {chunk_of[id(p)] for p in mod.parameters(recurse=recurse) if id(p) in chunk_of}
-            cids.update(chunk_by_name[p] for p in self.plan.borrowed.get(name, ()))
+            cids.update(chunk_by_name[p] for reader, read in self.plan.borrowed.items()
+                        if reader == name or (recurse and reader.startswith(name + ".")) for p in read)
             if cids:
                 units[mod] = sorted(cids)
         return units
