@@ -30,12 +30,6 @@ class VocabError(HfElixirError, ValueError):
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: bytes per element of each compute dtype
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
-#: the optimizers whose state hf_elixir shards, by the one name the planner and the runtime
-#: both use (``runtime.update.algorithm_of`` reads it off a torch optimizer), and the bytes
-#: of state each keeps per trained element besides the fp32 master: Adam(W)'s two fp32
-#: moments, SGD's momentum buffer. Adam is Adam(W) without decoupled weight decay.
-OPTIMIZER_STATE_BYTES = {"adamw": 8, "adam": 8, "sgd": 4}
-OPTIMIZERS = tuple(OPTIMIZER_STATE_BYTES)
 _DTYPE_ALIASES = {
     "fp32": "float32", "float32": "float32", "float": "float32",
     "bf16": "bfloat16", "bfloat16": "bfloat16",

@@ -38,6 +38,8 @@ def make_optimizer(model: torch.nn.Module, kind: str = "adamw"):
         opt = torch.optim.Adam(groups, lr=LR, eps=EPS, betas=(0.8, 0.95))
     elif kind == "sgd":
         opt = torch.optim.SGD(groups, lr=0.05, momentum=0.9, nesterov=True)
+    elif kind == "adagrad":
+        opt = torch.optim.Adagrad(groups, lr=LR, lr_decay=0.01, eps=EPS)
     else:
         raise ValueError(kind)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))

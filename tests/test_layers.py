@@ -18,7 +18,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "hf_elixir"
 #: bottom to top; a module may import its own layer and those before it
-LAYERS = ["vocab", "profile", "hardware", "planner", "runtime", "measure", "checkpoint", "integrations", "cli"]
+LAYERS = ["vocab", "optimizers", "profile", "hardware", "planner", "runtime", "measure", "checkpoint", "integrations", "cli"]
 #: imports that stay inside functions because the module they load imports accelerate or
 #: transformers at its top (the lazy public face, the launcher's bootstrap)
 DEFERRED_ALLOWED = {

@@ -107,8 +107,11 @@ def test_disk_price_grows_with_bytes_and_shrinks_with_bandwidth() -> None:
     assert disk.priced(c, 2, 1, "adamw", fast).step_time < two.step_time
     # the host update hides what it can: exposed = max(0, disk time - host update time)
     assert one.time["exposed_disk"] == pytest.approx(max(0.0, one.time["disk_io"] - 0.05))
-    # fp32 master, optimizer state and gradient
-    assert disk.bytes_per_element("adamw") == 16 and disk.bytes_per_element("sgd") == 12
+    # on disk: fp32 master, the tier's state planes (as many as the table's largest state,
+    # whatever the optimizer keeps: the files are laid out before it is known) and gradient
+    assert disk.bytes_per_element("adamw") == 16 and disk.bytes_per_element("sgd") == 16
+    # in host memory: the optimizer's own state
+    assert disk.host_bytes_per_element("adamw") == 16 and disk.host_bytes_per_element("sgd") == 12
 
 
 def test_disk_calibration_measures_a_temp_dir_and_caches_it(tmp_path, monkeypatch) -> None:

@@ -33,7 +33,8 @@ from hf_elixir.profile.forked import available_workers
 from hf_elixir.profile.lora import meta_lora_model
 from hf_elixir.profile.quant import meta_4bit
 from hf_elixir.profile.trace import build_meta_model
-from hf_elixir.vocab import BARE_MINIMUM, OPTIMIZERS
+from hf_elixir.optimizers import DEFAULT as DEFAULT_OPTIMIZER, OPTIMIZERS
+from hf_elixir.vocab import BARE_MINIMUM
 
 
 # ---------------------------------------------------------------------- model loading
@@ -90,7 +91,8 @@ def register_plan(sub) -> None:
                    help="tokens per sequence (default 1024); 'max': the longest that fits at the batch size, "
                         "found by planning at a few lengths (multiples of 1024)")
     p.add_argument("--dtype", default="bf16", help="bf16, fp16 or fp32")
-    p.add_argument("--optimizer", default="adamw", choices=OPTIMIZERS, help="the update the run will use")
+    p.add_argument("--optimizer", default=DEFAULT_OPTIMIZER, choices=OPTIMIZERS,
+                   help="the update the run will use (a name of the optimizer table)")
     p.add_argument("--efficiency", default="auto",
                    help="how compute is priced: auto (time the model here when planning for this calibrated "
                         "machine), measure, calibrated (the calibration's figure for the model's width), or a number")

@@ -21,6 +21,7 @@ from hf_elixir.planner.record import ElixirPlan, PlanError
 from hf_elixir.planner.replan import with_split
 from hf_elixir.profile.profiler import model_checkpoints
 from hf_elixir.runtime.disk_tier import resolve_path
+from hf_elixir.optimizers import DEFAULT as DEFAULT_OPTIMIZER, supported_message
 from hf_elixir.runtime.update import algorithm_of
 from hf_elixir.vocab import torch_dtype
 from hf_elixir.planner.search import plan as search
@@ -31,10 +32,10 @@ MIXED_PRECISION_DTYPES = {"no": "fp32", "bf16": "bf16", "fp16": "fp16"}
 
 def optimizer_kind(optimizer: Optional[torch.optim.Optimizer]) -> str:
     """The planner's name of the update ``optimizer`` asks for (the runtime's
-    ``algorithm_of``, so both read one optimizer the same way); AdamW (the largest state)
-    when it is not known yet."""
+    ``algorithm_of``, so both read one optimizer the same way); the table's default when
+    it is not known yet."""
     if optimizer is None:
-        return "adamw"
+        return DEFAULT_OPTIMIZER
     try:
         return algorithm_of(optimizer)
     except TypeError:
@@ -42,10 +43,7 @@ def optimizer_kind(optimizer: Optional[torch.optim.Optimizer]) -> str:
 
 
 def unsupported_optimizer_message(name: str) -> str:
-    return (
-        f"hf_elixir shards optimizer state for torch.optim.AdamW, Adam and SGD; got {name}. "
-        "Use one of those (with the Trainer: --optim adamw_torch, adamw_torch_fused or sgd)"
-    )
+    return supported_message(name)
 
 
 def compute_dtype(mixed_precision: str) -> str:

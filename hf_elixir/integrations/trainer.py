@@ -28,6 +28,7 @@ from transformers import Trainer, TrainingArguments
 from hf_elixir import checkpoint
 from hf_elixir.integrations.accelerate import ELIXIR_STATE_DIR, ElixirAccelerator, state_to_save
 from hf_elixir.integrations.planning import batch_shape_from_inputs, unsupported_optimizer_message
+from hf_elixir.optimizers import trainer_names
 from hf_elixir.integrations.lazy import LazyElixirModule
 from hf_elixir.integrations.microbatch import TrainerSplitter, split_inputs
 from hf_elixir.integrations.throughput import ThroughputCallback
@@ -35,7 +36,7 @@ from hf_elixir.integrations.plugin import ElixirConfigError, ElixirPlugin, elixi
 from hf_elixir.runtime import ElixirModule
 
 SCHEDULER_FILE = "scheduler.pt"  # the Trainer's own name for the LR scheduler state
-SUPPORTED_OPTIMS = ("adamw_torch", "adamw_torch_fused", "sgd")
+SUPPORTED_OPTIMS = trainer_names()  # the optimizer table's (hf_elixir/optimizers.py)
 
 
 @dataclass

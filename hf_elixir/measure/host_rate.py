@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_elixir.measure.calibrate import median_time
+from hf_elixir.optimizers import RATE_REFERENCE, spec
 from hf_elixir.runtime.host_kernel import OnePassAdam
 from hf_elixir.runtime.threads import using_threads
 from hf_elixir.runtime.update import apply_update
@@ -60,9 +61,9 @@ def host_update_rate(elems: int, threads: int, compute_dtype: torch.dtype = torc
         if separate:  # PyTorch's clipping scales the gradient in a pass of its own
             grad.mul_(coef)
         if loop is not None:  # the loop multiplies by the factor as it reads (Chunk.grad_factor)
-            loop.update("adamw", group, batch, [staging], 1.0 if separate else float(coef))
+            loop.update(spec(RATE_REFERENCE), group, batch, [staging], 1.0 if separate else float(coef))
         else:
-            apply_update("adamw", group, master.device, batch, set())
+            apply_update(spec(RATE_REFERENCE), group, master.device, batch, set())
             staging.copy_(master)
         if plain:
             grad.zero_()

@@ -28,7 +28,8 @@ from hf_elixir.hardware import HardwareProfile
 from hf_elixir.planner.candidate import Candidate
 from hf_elixir.planner.cost import REDUCTIONS_IN_FLIGHT
 from hf_elixir.planner.record import PlanError
-from hf_elixir.vocab import OPTIMIZER_STATE_BYTES, format_bytes
+from hf_elixir.optimizers import MAX_STATE_PLANES, spec
+from hf_elixir.vocab import format_bytes
 
 #: host buffers of the runtime's ring (``runtime/disk_tier.DiskTier``'s default), each as
 #: large as the largest chunk's planes
@@ -39,8 +40,24 @@ GRAD_RING = REDUCTIONS_IN_FLIGHT + 2
 
 def bytes_per_element(optimizer: str) -> int:
     """Disk bytes per element of a disk chunk's shard: its fp32 master, optimizer state
-    and fp32 gradient."""
-    return 4 + OPTIMIZER_STATE_BYTES[optimizer] + 4
+    and fp32 gradient. The runtime's tier lays its files out before the optimizer is known,
+    so every chunk holds the table's most state planes (``optimizers.MAX_STATE_PLANES``, fp32
+    each) whatever ``optimizer`` keeps (checked here, so that a name outside the table fails)."""
+    spec(optimizer)
+    return 4 + 4 * MAX_STATE_PLANES + 4
+
+
+def host_bytes_per_element(optimizer: str) -> float:
+    """Host bytes per element of an offloaded chunk's shard kept in memory: its fp32 master,
+    ``optimizer``'s own state (the table's bytes) and fp32 gradient."""
+    return 4 + spec(optimizer).state_bytes + 4
+
+
+def kept_off_host(c: Candidate, W: int, optimizer: str) -> float:
+    """Host bytes the disk chunks spare a rank (what they would take in memory), less the
+    rings that stage them."""
+    shard = c.chunk_size // W
+    return c.n_optim_disk * shard * host_bytes_per_element(optimizer) - ring_bytes(c, W, optimizer)
 
 
 def disk_bytes(c: Candidate, W: int, optimizer: str) -> int:

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from hf_elixir.planner.packing import Placements
-from hf_elixir.vocab import DTYPE_BYTES, OPTIMIZER_STATE_BYTES
+from hf_elixir.optimizers import spec
+from hf_elixir.vocab import DTYPE_BYTES
 
 #: fraction added to the predicted bytes for fragmentation of CUDA's caching allocator
 ALLOCATOR_MARGIN = 0.05
@@ -87,7 +88,7 @@ def memory(elems: Sequence[int], world_size: int, compute_dtype: str, optimizer:
         parameters=dev_param_elems * cb,
         frozen_shards=dev_frozen_elems * cb,
         master_weights=0.0 if aliased else dev_optim_elems * 4,
-        optimizer_state=dev_optim_elems * OPTIMIZER_STATE_BYTES[optimizer],
+        optimizer_state=dev_optim_elems * spec(optimizer).state_bytes,
         gradients=dev_optim_elems * 4 + grad_buffer_bytes,
         rcache=sum(blocks) * cb,
         activations=activation_bytes,

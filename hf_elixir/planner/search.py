@@ -45,7 +45,8 @@ from hf_elixir.profile.forked import forked_map
 from hf_elixir.profile.needs import rcache_minimum
 from hf_elixir.profile.params import chunked_parameters, model_signature
 from hf_elixir.profile.profiler import ModelProfile, model_checkpoints, profile_model
-from hf_elixir.vocab import OPTIMIZERS, format_bytes
+from hf_elixir.optimizers import DEFAULT as DEFAULT_OPTIMIZER, OPTIMIZERS
+from hf_elixir.vocab import format_bytes
 
 T = TypeVar("T")
 PREFETCH_DEPTHS = (0, 1, 2)
@@ -322,7 +323,7 @@ def plan(
     hardware: HardwareProfile | str | None = None,
     world_size: int | None = None,
     dtype: str | torch.dtype = "bf16",
-    optimizer: str = "adamw",
+    optimizer: str = DEFAULT_OPTIMIZER,
     memory_budget: int | str | None = None,
     profile: ModelProfile | None = None,
     alternatives: int = 5,
@@ -348,7 +349,7 @@ def plan(
             shape, or one machine when ``world_size`` fits on it). Collectives that span
             machines are priced at the profile's ``inter_node_bandwidth``.
         dtype: compute dtype ("bf16", "fp16", "fp32").
-        optimizer: "adamw", "adam" or "sgd" (with momentum).
+        optimizer: a name of the optimizer table (``optimizers.OPTIMIZERS``).
         memory_budget: bytes (or "24GiB") per device the plan may use; default the device memory.
         host_memory: bytes (or "64GiB") of host memory per machine offloaded state may use
             (a share ``HOST_USABLE`` of it); default the profile's ``cpu_memory``.
@@ -536,7 +537,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
 
 
 def candidate_plans(chosen: ElixirPlan, profile: ModelProfile, hardware: HardwareProfile | str,
-                    optimizer: str = "adamw") -> list[ElixirPlan]:
+                    optimizer: str = DEFAULT_OPTIMIZER) -> list[ElixirPlan]:
     """The chosen plan's runners-up (``chosen.alternatives``) as runnable plans.
 
     Each is re-evaluated by the same cost model, at the compute efficiency the search used,
@@ -591,9 +592,9 @@ def _host_bytes(c: Candidate, W: int, dtype: str, optimizer: str) -> float:
     shard per offloaded trainable or frozen chunk, and the pinned memory offloaded
     activations wait in (``activations``)."""
     shard = c.chunk_size // W
-    per = disk.bytes_per_element(optimizer)
+    per = disk.host_bytes_per_element(optimizer)
     # disk chunks keep none of it here (their gradient shards are on disk too), and the
     # rings hold a few of them
-    on_disk = disk.disk_bytes(c, W, optimizer) - disk.ring_bytes(c, W, optimizer)
+    on_disk = disk.kept_off_host(c, W, optimizer)
     return (c.n_optim_cpu * shard * per - on_disk
             + (c.n_param_cpu + c.n_frozen_cpu) * shard * cost.DTYPE_BYTES[dtype] + c.pinned_bytes)

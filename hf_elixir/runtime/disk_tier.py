@@ -68,10 +68,13 @@ from hf_elixir.runtime.disk_grads import GRAD, DiskGrads
 from hf_elixir.runtime.disk_folder import DATA_NAME, DIR_PREFIX, ENV, LOCK_NAME, claim
 from hf_elixir.runtime.disk_io import (ALIGN, DiskFile, DiskTierError, RingBuffer, aligned, byte_view, pad,
                                         settle_all)
+from hf_elixir.optimizers import MAX_STATE_PLANES
 from hf_elixir.vocab import format_bytes
 
-#: the most optimizer-state planes a supported optimizer keeps (Adam's two moments)
-MAX_STATE_PLANES = 2
+# MAX_STATE_PLANES: the most state tensors any optimizer of the table keeps. The files are
+# laid out when the model is wrapped, before its optimizer is known, so every disk chunk
+# reserves that many state planes; the planner prices disk and ring bytes by the same figure
+# (planner/disk.py).
 #: named here too: the tier's callers and tests import them from this module
 __all__ = ["ALIGN", "DATA_NAME", "DIR_PREFIX", "ENV", "GRAD", "LOCK_NAME", "DiskChunk", "DiskPlan", "DiskTier",
            "DiskTierError", "batch_views", "check_path", "clear_grad", "open_chunk", "prepare", "resolve_path"]

@@ -72,6 +72,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from hf_elixir.optimizers import OptimizerSpec, spec
 from hf_elixir.hardware import cache_root
 from hf_elixir.runtime.private_dir import UntrustedFolderError, private_directory
 
@@ -437,8 +438,8 @@ class OnePassAdam:
             return None, error
         return lib, None
 
-    def update(self, algorithm: str, group: dict, b: dict[str, list], outs: Sequence[Optional[torch.Tensor]],
-               factor: float = 1.0) -> None:
+    def update(self, algorithm: "str | OptimizerSpec", group: dict, b: dict[str, list],
+               outs: Sequence[Optional[torch.Tensor]], factor: float = 1.0) -> None:
         """Update the runs of ``b`` (lists of flat fp32 views, as ``apply_update`` takes them)
         and write each run's new values into ``outs`` (a view of the compute-dtype copy, or
         None), all in one pass; each gradient is taken times ``factor`` (an fp32 value: a
@@ -448,7 +449,8 @@ class OnePassAdam:
         for i in range(len(b["params"])):  # all of them before anything changes
             _check_views(b["params"][i], b["grads"][i], b["exp_avg"][i], b["exp_avg_sq"][i], outs[i])
         torch._foreach_add_(b["steps"], 1)
-        decoupled = algorithm == "adamw"
+        row = spec(algorithm) if isinstance(algorithm, str) else algorithm  # a row of the optimizer table
+        decoupled = row.decoupled_weight_decay
         maximize = bool(group.get("maximize", False))
         scalars: dict[float, torch.Tensor] = {}
         for i, step in enumerate(b["steps"]):
@@ -524,20 +526,21 @@ def check(lib: ctypes.CDLL) -> Optional[str]:
     group = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
     runner = OnePassAdam(1)
     # (algorithm, copy, maximize, the gradient's factor: the reference scales it first, as clipping did)
-    cases = [("adamw", torch.bfloat16, False, 0.3), ("adamw", None, True, 1.0), ("adam", torch.float32, False, 0.7)]
+    # (decoupled weight decay: AdamW, or not: Adam, copy, maximize, the gradient's factor)
+    cases = [(True, torch.bfloat16, False, 0.3), (True, None, True, 1.0), (False, torch.float32, False, 0.7)]
     if lib.hf_elixir_fp16():
-        cases.append(("adamw", torch.float16, False, 0.5))
-    for algorithm, out_dtype, maximize, factor in cases:
+        cases.append((True, torch.float16, False, 0.5))
+    for decoupled, out_dtype, maximize, factor in cases:
         factor = torch.tensor(factor, dtype=torch.float32)
         ours = [torch.randn(n, generator=gen), torch.randn(n, generator=gen), torch.zeros(n), torch.zeros(n)]
         theirs = [t.clone() for t in ours]
         out = torch.empty(n, dtype=out_dtype) if out_dtype is not None else None
         step_ours, step_theirs = torch.zeros(()), torch.zeros(())
-        kernel = torch._fused_adamw_ if algorithm == "adamw" else torch._fused_adam_
+        kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
         for _ in range(3):
             step_ours += 1
-            runner._run(lib, *ours, out, _scalars(group, float(step_ours), algorithm == "adamw", float(factor)),
-                        algorithm == "adamw", maximize)
+            runner._run(lib, *ours, out, _scalars(group, float(step_ours), decoupled, float(factor)),
+                        decoupled, maximize)
             step_theirs += 1
             kernel([theirs[0]], [theirs[1] * factor], [theirs[2]], [theirs[3]], [], [step_theirs], lr=group["lr"],
                    beta1=0.9, beta2=0.999, weight_decay=group["weight_decay"], eps=group["eps"], amsgrad=False,
@@ -545,7 +548,7 @@ def check(lib: ctypes.CDLL) -> Optional[str]:
         for name, a, b in zip(("weights", "gradient", "exp_avg", "exp_avg_sq"), ours, theirs):
             worst = float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
             if not worst <= TOLERANCE:
-                return f"its {algorithm} {name} differ from PyTorch's fused kernel's by {worst:.2g} (relative)"
+                return f"its {'decoupled' if decoupled else 'coupled'}-decay {name} differ from PyTorch's fused kernel's by {worst:.2g} (relative)"
         if out is not None and not torch.equal(out, ours[0].to(out_dtype)):
             return f"its {out_dtype} copy is not PyTorch's cast of its weights"
     return None

@@ -1,6 +1,7 @@
 """ElixirOptimizer: the user's optimizer, applied to sharded fp32 master weights.
 
-The user's optimizer supplies the algorithm (AdamW, Adam or SGD), the hyperparameters and
+The user's optimizer supplies the algorithm (a row of the optimizer table,
+``hf_elixir/optimizers.py``), the hyperparameters and
 the param_groups; the update itself runs per chunk shard where the plan put its state
 (device or CPU), with PyTorch's fused or foreach kernels on views of the flat shards, or,
 for Adam(W) state on the host with a compute-dtype copy to write, with the one-pass loop
@@ -27,7 +28,7 @@ from hf_elixir.runtime.precision import DynamicLossScaler, needs_loss_scaling
 from hf_elixir.runtime.recovery import MicroBatch, model_loss
 from hf_elixir.runtime.reduce import REPLAN
 from hf_elixir.runtime.threads import using_threads
-from hf_elixir.runtime.update import algorithm_of, apply_update
+from hf_elixir.runtime.update import apply_update, spec_of
 
 
 def _frozen_group(group: dict) -> dict:
@@ -50,7 +51,9 @@ class ElixirOptimizer(Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, ElixirOptimizer):
             raise ValueError("this optimizer is already an ElixirOptimizer; wrap the original once")
-        self.algorithm = algorithm_of(optimizer)
+        #: the optimizer's row of the table (hf_elixir/optimizers.py), and its name there
+        self.spec = spec_of(optimizer)
+        self.algorithm = self.spec.name
         # torch wraps every Optimizer's step() in a profiler range, whose first use looks its
         # operator up (about 1 ms): done here, not in the first step, outside its phases
         with torch.autograd.profiler.record_function("hf_elixir.ElixirOptimizer"):
@@ -60,6 +63,7 @@ class ElixirOptimizer(Optimizer):
                 raise ValueError("amsgrad is not supported by ElixirOptimizer; set amsgrad=False")
             if group.get("differentiable"):
                 raise ValueError("differentiable optimizers are not supported by ElixirOptimizer")
+        self.spec.check_groups(optimizer.param_groups)
         slot_of = {id(s.param): s for s in module.slots}
         model_params = {id(p) for p in module.module.parameters()}
         for group in optimizer.param_groups:
@@ -71,6 +75,9 @@ class ElixirOptimizer(Optimizer):
                     )
         self.module = module
         self.inner = optimizer
+        # the state lives sharded in this optimizer: whatever the inner one holds (torch's
+        # Adagrad fills whole-parameter sums when it is built) would be a full copy per rank
+        optimizer.state.clear()
         self.defaults = optimizer.defaults
         # Optimizer's own bookkeeping (hooks, profiling names) without re-creating the groups:
         Optimizer.__init__(self, optimizer.param_groups, optimizer.defaults)
@@ -94,13 +101,13 @@ class ElixirOptimizer(Optimizer):
         #: (host_kernel.py), built or loaded here, before the first step; None: PyTorch's
         #: fused kernel, then a cast (SGD, no host-state chunk, or no loop usable here)
         self.one_pass: Optional[OnePassAdam] = None
-        if self.host_chunks and self.algorithm != "sgd":
+        if self.host_chunks and self.spec.one_pass:
             one_pass = OnePassAdam(module.host_threads)
             self.one_pass = one_pass if one_pass.usable else None
             module.host_kernel = ("one-pass loop (update and copy)" if self.one_pass is not None
                                   else f"PyTorch's fused kernel and a cast ({one_pass.why_not})")
         elif self.host_chunks:
-            module.host_kernel = "PyTorch's kernel (SGD)"
+            module.host_kernel = f"PyTorch's kernel ({self.spec.label})"
         #: host-state chunks whose update runs behind the next forward, on the host thread
         self.background_chunks = self.host_chunks if overlap_host else frozenset()
         self.stays_gathered = self._stays_gathered()
@@ -125,9 +132,7 @@ class ElixirOptimizer(Optimizer):
         """Flat optimizer state per chunk shard, on the chunk's optimizer device."""
         self.flat_state: list[dict[str, torch.Tensor]] = []
         self.steps: dict[int, torch.Tensor] = {}
-        names = ("exp_avg", "exp_avg_sq") if self.algorithm != "sgd" else ("momentum_buffer",)
-        if self.algorithm == "sgd" and all(g.get("momentum", 0) == 0 for g in self.param_groups):
-            names = ()
+        names = self.spec.state_names(self.param_groups)
         self.state_names: tuple[str, ...] = names
         if self.module.disk is not None:  # fresh state in the files: zeros
             self.module.disk.set_state_names(names)
@@ -142,7 +147,7 @@ class ElixirOptimizer(Optimizer):
         self._momentum_started: set[int] = set()
         #: each step's update calls, with their views (runtime/batches.py)
         self.batching = UpdateBatches(self.module.chunks, self.flat_state, self.steps, self.group_of_slot,
-                                      self.host_chunks, merge=self.algorithm != "sgd")
+                                      self.host_chunks, merge=self.spec.merge_runs)
 
     def _alloc(self, chunk: Chunk) -> torch.Tensor:
         if chunk.disk:  # in the disk tier's files; in memory a stand-in that cannot be used
@@ -252,7 +257,7 @@ class ElixirOptimizer(Optimizer):
         for idx, slot in self._param_index():
             if slot is None or steps[slot.index] == 0:
                 continue
-            entry = {"step": steps[slot.index].clone()} if self.algorithm != "sgd" else {}
+            entry = {"step": steps[slot.index].clone()} if self.spec.counts_steps else {}
             entry.update(per_slot[slot.index])
             full_state[idx] = entry
         groups = []
@@ -320,7 +325,7 @@ class ElixirOptimizer(Optimizer):
                     view.zero_()
                 else:
                     view.copy_(src.reshape(-1)[pbegin : pbegin + end - begin])
-                    if name == "momentum_buffer":
+                    if self.spec.tensor(name).from_first_grad:
                         self._momentum_started.add(slot.index)
             if slot.index in self.steps:
                 self.batching.set_step(slot.index, float(entry.get("step", 0.0)))
@@ -585,6 +590,6 @@ class ElixirOptimizer(Optimizer):
         """One batch's update; ``outs``: write each run's compute-dtype copy there in the
         same pass (``_copy_views``), the gradients taken times ``factor``."""
         if outs is not None:
-            self.one_pass.update(self.algorithm, group, b, outs, factor)
+            self.one_pass.update(self.spec, group, b, outs, factor)
             return
-        apply_update(self.algorithm, group, device, b, self._momentum_started)
+        apply_update(self.spec, group, device, b, self._momentum_started)

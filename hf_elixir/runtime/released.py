@@ -51,6 +51,7 @@ def _passthrough() -> set:
             if fn is not None:
                 out.add(fn)
     out.update(getattr(Tensor, name) for name in methods if hasattr(Tensor, name))
+    out.add(torch.is_complex)
     return out
 
 
@@ -65,7 +66,17 @@ def _shape_answers() -> dict[Callable, Callable[[torch.Size, tuple, dict], Any]]
     def numel(shape: torch.Size, args: tuple, kwargs: dict) -> int:
         return shape.numel()
 
+    def full_like(shape: torch.Size, args: tuple, kwargs: dict) -> Tensor:
+        # an optimizer's eager state (torch.optim.Adagrad fills its sums when it is built):
+        # the value spread over the shape with zero strides, no memory and no gather;
+        # ElixirOptimizer drops the inner optimizer's state and keeps its own, sharded
+        value = args[1] if len(args) > 1 else kwargs["fill_value"]
+        p = args[0]
+        dtype = kwargs.get("dtype") or p.dtype
+        return torch.full((), value, dtype=dtype, device=p.device).expand(shape)
+
     return {
+        torch.full_like: full_like,
         Tensor.shape.__get__: lambda shape, a, k: shape,
         Tensor.size: size,
         Tensor.numel: numel,
