@@ -8,6 +8,7 @@ import json
 import time
 
 import pytest
+import torch
 
 from hf_elixir.cli import main
 from hf_elixir.planner import activations
@@ -242,3 +243,24 @@ def test_seq_len_rejects_words_other_than_max(capsys):
         main(["plan", "gpt2", "--seq-len", "longest"])
     assert e.value.code == 2
     assert "'max'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["flash", "memory-efficient"])
+def test_gpu_attention_flops_halve_for_a_causal_mask(dtype):
+    """The GPU's fused attention kernels (flash in bf16, memory-efficient in fp32), forward
+    and backward: a causal mask skips about half the blocks, as the CPU kernel's count
+    already says, so a long-context step's compute (which hides the activation copies) is
+    not priced at twice its attention."""
+    from hf_elixir.profile.memory import LiveStorageTracker, SDPAKernelMode
+
+    def flops(causal: bool) -> int:
+        q = torch.empty(1, 4, 1024, 64, device="meta", dtype=dtype, requires_grad=True)
+        tracker = LiveStorageTracker()
+        with SDPAKernelMode("cuda"), tracker:
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=causal)
+            out.sum().backward()
+        return tracker.flops
+
+    full = flops(False)
+    assert full >= 4 * 4 * 1024 * 1024 * 64 * 3  # forward and a backward of at least twice it
+    assert flops(True) * 2 == full

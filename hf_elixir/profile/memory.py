@@ -133,6 +133,8 @@ class LiveStorageTracker(TorchDispatchMode):
                     n = int(fn(*args, **kwargs, out_val=out))
                 except Exception:
                     n = 0
+                if func._overloadpacket in _GPU_ATTENTION and _is_causal(func, args, kwargs):
+                    n //= 2  # PyTorch's formula counts every block; a causal mask skips about half
                 self.flops += n
                 if self.on_flops is not None:
                     self.on_flops(n)
@@ -284,6 +286,25 @@ TRANSCENDENTAL = {_aten.tanh, _aten.tanh_backward, _aten.exp, _aten.log, _aten.s
 #: the CPU's fused attention kernels, which PyTorch's FLOP registry does not know
 _CPU_ATTENTION = {_aten._scaled_dot_product_flash_attention_for_cpu,
                   _aten._scaled_dot_product_flash_attention_for_cpu_backward}
+
+
+#: the GPU's fused attention kernels, whose FLOPs PyTorch's registry counts as if no mask
+#: skipped a block (``_is_causal`` halves them for a causal one, as for the CPU kernel)
+_GPU_ATTENTION = {getattr(_aten, name) for name in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward")
+    if hasattr(_aten, name)}
+
+
+def _is_causal(func, args, kwargs) -> bool:
+    """The ``is_causal`` argument of an attention kernel call, found by its schema."""
+    if "is_causal" in kwargs:
+        return bool(kwargs["is_causal"])
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.name == "is_causal":
+            return bool(args[i]) if i < len(args) else bool(arg.default_value)
+    return False
 
 
 def _cpu_attention_flops(func, args, kwargs) -> int:
