@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 
 import hf_elixir as hfe
 from equivalence import assert_matches, elixir_run, reference_run
 from harness import run_distributed
 from loops import elixir_steps, plain_steps
+from hf_elixir import checkpoint as ck
 from hf_elixir import cli, optimizers
 from hf_elixir.planner import disk as planner_disk
 from hf_elixir.runtime.disk_tier import prepare
@@ -197,3 +199,61 @@ def test_adagrad_state_dict_is_torchs_and_resumes() -> None:
         assert float(have["state"][idx]["step"]) == float(entry["step"]) == 2.0
         diff = (have["state"][idx]["sum"] - entry["sum"]).norm()
         assert diff <= 1e-5 * entry["sum"].norm() + 1e-12, idx
+
+
+def _adagrad_saved(rank: int, world_size: int, ckdir: str) -> dict:
+    from ckpt_common import Run
+
+    run = Run(rank, world_size, arch="llama", plan_kwargs=dict(chunk_size=4096, offload_fraction=0.5),
+              opt_kind="adagrad")
+    run.steps(2)
+    ck.save(run.emodel, run.eopt, ckdir, scheduler=run.sched)
+    return run.steps(3)
+
+
+def _adagrad_resumed(rank: int, world_size: int, ckdir: str) -> dict:
+    from ckpt_common import Run
+
+    run = Run(rank, world_size, arch="llama", plan_kwargs=dict(chunk_size=6000, offload_fraction=1.0),
+              opt_kind="adagrad", seed=2)
+    info = ck.load(run.emodel, run.eopt, ckdir, scheduler=run.sched)
+    return {**run.steps(3), "resharded": info["resharded"]}
+
+
+def test_adagrad_checkpoint_saved_at_two_ranks_resumes_at_one_and_three(tmp_path) -> None:
+    """The table's state names reach the checkpoint: Adagrad's sums and steps saved at world
+    size 2 and resharded to 1 and 3 ranks (another chunk size, all state on the host) go on
+    with the uninterrupted run's losses."""
+    ckdir = str(tmp_path / "ck")
+    want = run_distributed(_adagrad_saved, 2, ckdir)[0]
+    with safe_open(str(Path(ckdir) / "optimizer-rank-00000-of-00002.safetensors"), "pt") as f:
+        assert {k.rsplit("/", 1)[1] for k in f.keys()} == {"sum", "step"}
+    for world in (1, 3):
+        got = run_distributed(_adagrad_resumed, world, ckdir)[0]
+        assert got["resharded"] and got["lrs"] == want["lrs"]
+        for a, b in zip(want["losses"], got["losses"]):
+            assert abs(a - b) <= 1e-6 * abs(a), (world, want["losses"], got["losses"])
+
+
+def test_adagrad_on_the_disk_tier_equals_the_host_tier(tmp_path) -> None:
+    """Adagrad keeps one state tensor; the tier reserves the table's most planes per chunk
+    and uses one: half the chunks on disk give the host tier's weights and sums, bit for bit."""
+    out = []
+    for disk in (False, True):
+        model = make_model("llama")
+        plan = hfe.ElixirPlan.simple(model, 1, chunk_size=4096, offload_fraction=1.0, compute_dtype="bf16")
+        if disk:
+            for chunk in [c for c in plan.chunks if not c.frozen][::2]:
+                chunk.optim_placement = "disk"
+        emodel = hfe.ElixirModule(model, plan, nvme_path=str(tmp_path))
+        opt = hfe.ElixirOptimizer(emodel, torch.optim.Adagrad(model.parameters(), lr=1e-2))
+        if disk:
+            assert emodel.disk is not None and emodel.disk.state_names == ("sum",)
+        elixir_steps(emodel, opt, [make_batch(2, 16)] * 3, clip=1.0)
+        out.append((emodel.state_dict(), opt.state_dict()))
+        emodel.close()
+    for key, value in out[0][0].items():
+        assert torch.equal(value, out[1][0][key]), key
+    for idx, entry in out[0][1]["state"].items():
+        assert torch.equal(entry["sum"], out[1][1]["state"][idx]["sum"]), idx
+    assert list(tmp_path.iterdir()) == []
