@@ -257,3 +257,29 @@ def test_adagrad_on_the_disk_tier_equals_the_host_tier(tmp_path) -> None:
     for idx, entry in out[0][1]["state"].items():
         assert torch.equal(entry["sum"], out[1][1]["state"][idx]["sum"]), idx
     assert list(tmp_path.iterdir()) == []
+
+
+def test_stock_trainer_with_optim_adagrad_under_launch_equals_plain_ddp(tmp_path) -> None:
+    """A Trainer name the table added: the unmodified Trainer script with --optim adagrad
+    under ``hf-elixir launch`` (2 processes, CPU) against plain ``accelerate launch`` (DDP)."""
+    import yaml
+
+    from hf_elixir.integrations.launch import accelerate_view, default_config, read_config, write_config
+    from hf_elixir.integrations.plugin import ElixirPlugin
+    from harness import free_port
+    from integration_helpers import accelerate_launch, elixir_launch, max_diff, trainer_args
+
+    write_config(tmp_path / "elixir.yaml", default_config(2, use_gpu=False), ElixirPlugin(plan="auto"))
+    plain_config, _ = accelerate_view(read_config(tmp_path / "elixir.yaml"), cuda=False)
+    (tmp_path / "plain.yaml").write_text(yaml.safe_dump(plain_config))
+    # eps 1e-6, as the recipe's Adam: GPT-2's key bias has a gradient of pure rounding noise
+    # (softmax ignores a shift), which Adagrad's default 1e-10 would turn into steps of +-lr
+    args = [*trainer_args(optim="adagrad", save_strategy="no", eval_strategy="no"), "--optim_args", "eps=1e-6"]
+    accelerate_launch(tmp_path / "plain.yaml", free_port(), "trainer_run.py", "--output_dir", str(tmp_path / "p"),
+                      "--result", str(tmp_path / "plain.pt"), *args, cwd=tmp_path)
+    elixir_launch(tmp_path / "elixir.yaml", free_port(), "trainer_run.py", "--output_dir", str(tmp_path / "e"),
+                  "--result", str(tmp_path / "elixir.pt"), *args, cwd=tmp_path)
+    plain, elixir = torch.load(tmp_path / "plain.pt"), torch.load(tmp_path / "elixir.pt")
+    assert elixir["is_elixir"] and not plain["is_elixir"]
+    assert elixir["global_step"] == plain["global_step"] == 6
+    assert max_diff(elixir["state"], plain["state"]) < 2e-5
