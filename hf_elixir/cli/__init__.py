@@ -23,6 +23,7 @@ from hf_elixir.cli.demo import register_demo
 from hf_elixir.cli.launch import launch_main, register_config, register_launch
 from hf_elixir.hardware import HardwareError, HardwareProfile, cache_path, parse_memory
 from hf_elixir.measure import calibrate_machine, with_disk
+from hf_elixir.planner.efficiency import compiled_efficiency
 from hf_elixir.planner.longest import GRANULE, LIMIT, longest_sequence, probe_with
 from hf_elixir.planner.record import PlanError
 from hf_elixir.planner.search import plan as make_plan
@@ -96,6 +97,10 @@ def register_plan(sub) -> None:
     p.add_argument("--efficiency", default="auto",
                    help="how compute is priced: auto (time the model here when planning for this calibrated "
                         "machine), measure, calibrated (the calibration's figure for the model's width), or a number")
+    p.add_argument("--compile", action="store_true",
+                   help="price a run whose decoder blocks are compiled (torch_compile / compile: true): the eager "
+                        "efficiency (calibrated, or --efficiency N) times an assumed factor, reported as an "
+                        "estimate until calibration times a compiled block")
     p.add_argument("--lora-r", type=int, default=None, metavar="N",
                    help="plan a LoRA fine-tune of rank N (needs peft): the base frozen and sharded, "
                         "adapters trained")
@@ -220,6 +225,9 @@ def cmd_plan(args) -> int:
     if args.batch_size < 1 or (args.seq_len != "max" and args.seq_len < 1):
         raise CLIError("--batch-size and --seq-len must be positive")
     efficiency = _efficiency(args.efficiency)
+    if args.compile and efficiency == "measure":
+        raise CLIError("--compile with --efficiency measure: the measurement times the eager model and "
+                       "calibration does not time a compiled block yet; use --efficiency calibrated or a number")
     hw = _hardware_from_args(args)
     cfg = load_config(args.model)
     build = _lora_builder(args)
@@ -230,6 +238,11 @@ def cmd_plan(args) -> int:
                            "device (no values to run): use --efficiency calibrated or a number")
         if efficiency == "auto":
             efficiency = "calibrated"
+    compiled = None
+    if args.compile:  # the eager efficiency (timing the eager model would price the wrong run) times the factor
+        compiled = compiled_efficiency("calibrated" if efficiency == "auto" else efficiency,
+                                       getattr(cfg, "hidden_size", None), hw, hw.world_size)
+        efficiency = compiled["value"]
     workers = available_workers()  # this process has no threads of its own: planning may fork
 
     def plan_at(seq_len: int):
@@ -262,6 +275,7 @@ def cmd_plan(args) -> int:
             return EXIT_INFEASIBLE
         result = found.best.plan
         print(summary(result))
+        _report_compiled(result, compiled)
         tried = ", ".join(f"{q.seq_len} {'fits' if q.fits else 'no'}" for q in found.probes)
         limit = (f"{found.beyond.seq_len} does not fit" if found.beyond is not None
                  else f"the search stops at {LIMIT} tokens")
@@ -275,6 +289,7 @@ def cmd_plan(args) -> int:
             print(f"hf-elixir plan: {e}", file=sys.stderr)
             return EXIT_INFEASIBLE
         print(summary(result))
+        _report_compiled(result, compiled)
     if args.json_path:
         result.to_json(args.json_path)
         print(f"\nplan written to {args.json_path}")
@@ -282,6 +297,17 @@ def cmd_plan(args) -> int:
         plot_plan(result, args.plot)
         print(f"plot written to {args.plot}")
     return EXIT_OK
+
+
+def _report_compiled(plan, compiled: dict | None) -> None:
+    """With ``--compile``: the estimate in the plan (``predictions["compile"]``, written with
+    ``--json``) and a line under its summary saying what was assumed."""
+    if compiled is None:
+        return
+    plan.predictions["compile"] = compiled
+    print(f"  compiled (--compile): compute priced at {compiled['factor']:.2f}x the eager run's "
+          f"({compiled['eager']:.2f} -> {compiled['value']:.2f}x the per-operator figures): an estimate, "
+          "assumed (planner/efficiency.py COMPILED_COMPUTE_FACTOR) until calibration times a compiled block")
 
 
 def plot_plan(plan, path: str) -> None:

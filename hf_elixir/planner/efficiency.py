@@ -45,6 +45,34 @@ def compute_figures(profile: ModelProfile, hw: HardwareProfile, world_size: int,
     return figs.for_width(profile.hidden_size)
 
 
+#: Compute time of a run whose decoder blocks are compiled (``compile=``, docs/design.md
+#: "torch.compile") over the same run eager: an ASSUMPTION, not a measurement. Compile fuses
+#: the element-wise work around the matmuls (norms, activations, residual adds, dropout) and
+#: drops per-operator dispatch; the matmuls, which are most of a large model's FLOPs, run the
+#: same kernels. Applied to the whole step's compute although embeddings, head and loss stay
+#: eager. ``hf-elixir plan --compile`` prices with it and says it is an estimate; calibration
+#: does not time a compiled block yet, which is what would replace this figure.
+COMPILED_COMPUTE_FACTOR = 0.85
+
+
+def compiled_efficiency(mode: float | str, profile_hidden_size: int | None, hw: HardwareProfile,
+                        world_size: int) -> dict[str, Any]:
+    """The efficiency a compiled run's compute is priced at: the eager one (``mode`` when a
+    number, else the calibration's figure for the model's width) times
+    ``COMPILED_COMPUTE_FACTOR``. ``"measure"`` is refused: it would time the eager model and
+    call the result compiled. Returns ``{"value", "eager", "factor", "source": "estimate"}``."""
+    check_efficiency(mode)
+    if mode == "measure":
+        raise PlanError("a compiled plan cannot use efficiency='measure': the measurement times the eager "
+                        "model, and calibration does not time a compiled block yet; use 'calibrated' or a number")
+    if isinstance(mode, (int, float)) and not isinstance(mode, bool):
+        eager = float(mode)
+    else:
+        eager = hw.compute_figures(min(world_size, hw.gpus_per_node)).efficiency_at(profile_hidden_size)
+    return {"value": eager * COMPILED_COMPUTE_FACTOR, "eager": eager, "factor": COMPILED_COMPUTE_FACTOR,
+            "source": "estimate"}
+
+
 def local_device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
