@@ -121,6 +121,10 @@ class ElixirPlan:
         logit_piece_tokens: the LM head and its loss run over the sequence in pieces of this
             many tokens, so the whole (batch, sequence, vocab) logits never exist; 0 runs
             them whole, as the model does.
+        mlp_tiles: each block's MLP (its position-wise sublayer) runs over the sequence in this
+            many tiles, each checkpointed, so that one tile's intermediate (sequence/tiles x
+            intermediate size) exists at a time instead of the whole; 1 runs it whole
+            (runtime/mlp_tiles.py).
         predictions: optional figures from the planner (peak bytes by category, step time).
         alternatives: optional runner-up candidates with the reason they lost.
     """
@@ -139,6 +143,7 @@ class ElixirPlan:
     micro_batch_split: int = 1
     block_policies: dict[str, str] = field(default_factory=dict)
     logit_piece_tokens: int = 0
+    mlp_tiles: int = 1
     predictions: dict[str, Any] = field(default_factory=dict)
     alternatives: list[dict[str, Any]] = field(default_factory=list)
     version: int = PLAN_FORMAT_VERSION
@@ -319,6 +324,8 @@ class ElixirPlan:
             raise PlanError(f"block_policies has unknown policies {odd}; each must be one of {BLOCK_POLICIES}")
         if self.logit_piece_tokens < 0:
             raise PlanError(f"logit_piece_tokens must be >= 0 (0: whole logits), got {self.logit_piece_tokens}")
+        if isinstance(self.mlp_tiles, bool) or not isinstance(self.mlp_tiles, int) or self.mlp_tiles < 1:
+            raise PlanError(f"mlp_tiles must be an int >= 1 (1: the MLP runs whole), got {self.mlp_tiles!r}")
         if self.rcache_blocks < self.min_rcache_blocks:
             raise PlanError(_too_few_blocks(self.rcache_blocks, self.min_rcache_blocks))
         if self.prefetch_depth < 0:

@@ -524,7 +524,7 @@ def materialize(c: Candidate, chunks: list[list[str]], profile: ModelProfile, hw
         min_rcache_blocks=rcache_minimum(step.trace.pins, step.trace.module_params, chunks),
         signature=model_signature(named),
         block_policies=activations.block_policies(c, profile.extra.get("block_path", "")),
-        logit_piece_tokens=c.logit_piece_tokens,
+        logit_piece_tokens=c.logit_piece_tokens, mlp_tiles=c.mlp_tiles,
         predictions=predictions,
     )
     # bytes on the wire, as the runtime counts them (see traffic.py)

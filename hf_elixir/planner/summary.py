@@ -87,7 +87,7 @@ def chosen_as_dict(plan) -> dict[str, Any]:
         # in block order (the plan names each block; the search wrote them in order)
         "block_policies": list(plan.block_policies.values()),
         "logit_piece_tokens": plan.logit_piece_tokens,
-        "mlp_tiles": p.get("long_context", {}).get("mlp_tiles", 1),
+        "mlp_tiles": plan.mlp_tiles,
     }
 
 
@@ -184,8 +184,9 @@ def _long_context_lines(plan) -> list[str]:
     """The long-context levers the plan uses, in words: each run of blocks' policy, the
     logit pieces, the MLP's tiles and the pinned host memory offloaded activations take."""
     lc = plan.predictions.get("long_context")
-    if not lc:
-        return []
+    if not lc:  # a plan made by hand: only the field says
+        return [f"  MLP over {plan.mlp_tiles} sequence tiles (one tile's intermediate at a time, each tile "
+                "recomputed in backward)"] if plan.mlp_tiles > 1 else []
     names = {"keep": "kept", "recompute": "recomputed", "recompute_offload": "recomputed from an input in host "
              "memory", "offload": "kept in host memory"}
     runs = "; ".join(f"block{'s' if a != b else ''} {a}{'-' + str(b) if a != b else ''} {names.get(pol, pol)}"
@@ -198,9 +199,9 @@ def _long_context_lines(plan) -> list[str]:
                    f"{format_bytes(lc['pinned_activation_bytes'])} per GPU (in the host memory above)")
     piece = lc.get("logit_piece_tokens", 0)
     out.append(f"  logits: {'in pieces of ' + str(piece) + ' tokens (one piece and its gradient at a time)' if piece else 'whole'}")
-    if lc.get("mlp_tiles", 1) > 1:
-        out.append(f"  MLP over {lc['mlp_tiles']} sequence tiles (one tile's intermediate at a time; "
-                   "ElixirPlan has no field for it yet: predictions['long_context']['mlp_tiles'])")
+    if plan.mlp_tiles > 1:
+        out.append(f"  MLP over {plan.mlp_tiles} sequence tiles (one tile's intermediate at a time, "
+                   "each tile recomputed in backward)")
     return out
 
 

@@ -36,6 +36,7 @@ from hf_elixir.runtime.host_update import HostUpdates
 from hf_elixir.runtime.host_memory import HeapGuard, keep_freed_host_memory, warn_if_heap_fragments
 from hf_elixir.runtime.ledger import MemoryLedger
 from hf_elixir.runtime.logit_pieces import PieceWiring, wire as wire_logit_pieces
+from hf_elixir.runtime.mlp_tiles import MlpTiles, check_mlp_tiles
 from hf_elixir.runtime.recovery import Recovery, Replanner, adopt_plan
 from hf_elixir.runtime.packed import prepare_packed_layers
 from hf_elixir.runtime.reduce import GradReducer
@@ -112,6 +113,7 @@ class ElixirModule(nn.Module):
                 "gradient_checkpointing_enable(); make a plan without activation checkpointing"
             )
         check_block_policies(model, plan)
+        check_mlp_tiles(model, plan)
         disk_plan = prepare_disk(plan, model, world_size, resolve_device(device), nvme_path)
         #: the blocks compiled one at a time, each fetched whole (runtime/compiled.py)
         self.compiled = RegionalCompile.prepare(model, CompileOptions.parse(compile), plan)
@@ -152,6 +154,8 @@ class ElixirModule(nn.Module):
         self.activations = ActivationOffloader(self.device, self.ledger)
         self.block_policies = BlockPolicies(model, self.activations)
         self.block_policies.apply(plan)
+        #: each block's MLP over sequence tiles, at the current plan's count (runtime/mlp_tiles.py)
+        self.mlp_tiles = MlpTiles.wire(model, plan, weakref.ref(self))
         prepare_packed_layers(model, self.device)
         self._move_untracked(sync_module_states)
         self.chunks, self.slots = self._build_chunks(sync_module_states)
