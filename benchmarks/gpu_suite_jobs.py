@@ -14,7 +14,8 @@ A job is a JSON object with a ``job`` key:
   and, for hf_elixir, the plan's predictions are recorded.
 - ``trainer``: ``benchmarks/trainer_speed.py``, a stock Trainer script that times its own
   steps, started plainly or under ``hf-elixir launch`` with a one-process config (its
-  ``offload`` setting from the job); the script's result.
+  ``offload`` setting from the job), with ``--torch_compile true`` where the job has
+  ``compile``; the script's result.
 - ``disk_tier``: ``benchmarks/bench_disk_tier.py`` on the compute device (its ``disk_half``
   and ``host`` systems, in ranks of their own, the tier's files under the job's ``path``):
   the disk's measured bandwidth, one step's disk traffic against it, the step time with
@@ -450,8 +451,8 @@ def run_recovery(job: dict) -> dict:
 def run_trainer(job: dict) -> dict:
     """``trainer_speed.py`` (a stock Trainer script) started as a user starts it: plainly
     (``launcher: plain``), or under ``hf-elixir launch`` with a one-process config whose
-    elixir section sets ``offload`` (``launcher: hf_elixir``). Its result, with the
-    command's wall time."""
+    elixir section sets ``offload`` (``launcher: hf_elixir``); compiled (the Trainer's
+    ``torch_compile``) where ``compile`` is set. Its result, with the command's wall time."""
     with tempfile.TemporaryDirectory(prefix="trainer_speed_") as tmp:  # removed on every path
         return _trainer_in(job, Path(tmp))
 
@@ -470,6 +471,8 @@ def _trainer_in(job: dict, work: Path) -> dict:
     cpu = job["device"] == "cpu"
     if cpu:  # a bf16 Trainer on a CPU is told so
         script_args += ["--use_cpu", "true"]
+    if job.get("compile"):  # as a user asks for it: the Trainer's own flag
+        script_args += ["--torch_compile", "true"]
     if job["launcher"] == "plain":
         cmd = [sys.executable, *script_args]
     else:

@@ -8,8 +8,10 @@ Standard imports only, as a user's script would have: a GPT-2 built from its con
 124M by default), random tokens, ``Trainer`` with the usual arguments. A callback times each
 optimizer step (the device synchronised at both ends, so a step's time is its work, not its
 launch). Rank 0 writes the median step after the warm-up steps, tokens per second, which
-trainer ran (``hf-elixir launch`` hands the script hf_elixir's) and, where the trained model
-has one, its step breakdown (``time_report()``), to ``--out``.
+trainer ran (``hf-elixir launch`` hands the script hf_elixir's), whether compile was asked
+for (``--torch_compile true``) and dynamo's counters (frames compiled, graphs, recompiles: that
+compile really ran) and, where the trained model has one, its step breakdown
+(``time_report()``), to ``--out``.
 """
 
 from __future__ import annotations
@@ -73,6 +75,15 @@ class StepTimer(TrainerCallback):
         self.times.append(time.perf_counter() - self._start)
 
 
+def dynamo_counts() -> dict:
+    """Dynamo's counters in this process: frames it compiled, distinct graphs, recompiles
+    (all zero when nothing was compiled)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames_ok": counters["frames"]["ok"], "unique_graphs": counters["stats"]["unique_graphs"],
+            "recompiles": sum(counters["recompiles"].values())}
+
+
 def main() -> None:
     speed, args = HfArgumentParser((SpeedArguments, TrainingArguments)).parse_args_into_dataclasses(
         args=None, look_for_args_file=False)
@@ -97,6 +108,7 @@ def main() -> None:
               "device": str(args.device), "parameters": sum(p.numel() for p in model.parameters()),
               "batch": args.per_device_train_batch_size, "seq": speed.seq, "step_times_s": timer.times,
               "median_step_s": median, "tokens_per_s": tokens / median,
+              "torch_compile": bool(args.torch_compile), "dynamo": dynamo_counts(),
               "time_report": wrapped.time_report() if hasattr(wrapped, "time_report") else None}
     with open(speed.out, "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -32,7 +32,8 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert data["mode"].startswith("dry-run")
     # a dry run starts its jobs two at a time (GPU runs one); the file keeps the sections' order
     assert data["settings"]["lanes"] == 2
-    sections = ["smoke", "offload_24g", "trainer", "scale", "mfu", "recovery", "disk_tier", "fidelity"]
+    sections = ["smoke", "offload_24g", "trainer", "scale", "mfu", "recovery", "disk_tier", "trainer_compiled",
+                "fidelity"]
     assert [k for k in data if k in sections] == sections
 
     smoke = data["smoke"]
@@ -108,4 +109,21 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert elixir["vs_plain"] == elixir["tokens_per_s"] / plain["tokens_per_s"]
     assert elixir["time_report"]["measured"]["step"] > 0
     assert "the plain Trainer" in proc.stdout and "breakdown trainer gpt2-tiny:" in proc.stdout
-    assert proc.stdout.count("step time by phase (mean of") == 3 + len(scale["tried"])
+    assert not plain["torch_compile"] and plain["dynamo"]["frames_ok"] == 0
+    assert not elixir["torch_compile"] and elixir["dynamo"]["frames_ok"] == 0
+
+    # issue 64, acceptance 5: the same script compiled (--torch_compile true), plain and under
+    # hf-elixir launch; dynamo's counters show that both really compiled
+    compiled = data["trainer_compiled"]
+    assert set(compiled) == {"plain", "hf_elixir_offload_none"}
+    c_plain, c_elixir = compiled["plain"], compiled["hf_elixir_offload_none"]
+    for name, r in compiled.items():
+        assert r["status"] == "ok", f"compiled {name}: {r.get('error')}\n{r.get('stderr', '')}"
+        assert r["world"] == 1 and r["bf16"] and r["tokens_per_s"] > 0 and len(r["step_times_s"]) == 5, name
+        assert r["torch_compile"] and r["dynamo"]["frames_ok"] > 0 and r["dynamo"]["unique_graphs"] > 0, (name, r)
+    assert c_plain["trainer"] == "Trainer" and c_elixir["trainer"] == "ElixirTrainer"
+    assert c_elixir["vs_plain"] == c_elixir["tokens_per_s"] / c_plain["tokens_per_s"]
+    assert c_elixir["target_vs_plain"] == 0.95 and "meets_target" not in c_elixir  # a CPU measures nothing
+    assert c_elixir["time_report"]["measured"]["step"] > 0
+    assert "breakdown trainer_compiled gpt2-tiny:" in proc.stdout and "(target 0.95x)" in proc.stdout
+    assert proc.stdout.count("step time by phase (mean of") == 4 + len(scale["tried"])
