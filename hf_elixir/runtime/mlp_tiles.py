@@ -25,7 +25,8 @@ The tile count is read from the runtime's current plan at every call, so a recov
 adopts another plan takes effect at once; the wrapper is installed when the plan the runtime
 starts with asks for tiles. Tiles split the second-to-last dimension (the sequence of a
 ``(batch, sequence, hidden)`` or ``(sequence, hidden)`` input), with ``torch.tensor_split``,
-so a sequence shorter than the count runs in fewer tiles. The MLP's own modules are called
+always into the count (a shorter sequence leaves some tiles empty), so every rank calls the
+MLP's modules as often whatever its sequence length. The MLP's own modules are called
 as in the whole forward, once per tile, so the chunk runtime's module hooks fetch their
 parameters for each tile and again for each tile's recomputation.
 """
@@ -93,10 +94,12 @@ def _tiled(inner: Callable[[torch.Tensor], Any], block: str, plan_of: Callable[[
     def forward(hidden: torch.Tensor) -> Any:
         plan = plan_of()
         tiles = plan.mlp_tiles if plan is not None else 1
-        if (tiles <= 1 or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2 or hidden.shape[-2] < 2
+        if (tiles <= 1 or not isinstance(hidden, torch.Tensor) or hidden.dim() < 2
                 or plan.policy_of(block) == "offload"):
             return inner(hidden)
-        parts = torch.tensor_split(hidden, min(tiles, hidden.shape[-2]), dim=-2)
+        # always ``tiles`` of them (some empty when the sequence is shorter): every rank then
+        # calls the MLP's modules as often, whatever its sequence length, and so fetches alike
+        parts = torch.tensor_split(hidden, tiles, dim=-2)
         grad = torch.is_grad_enabled()
         outs = []
         for part in parts:
