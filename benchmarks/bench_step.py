@@ -2,6 +2,8 @@
 
     python benchmarks/bench_step.py                       # three models, world size 2
     python benchmarks/bench_step.py --models gpt2-30m --steps 3
+    python benchmarks/bench_step.py --compile             # compiled against eager (issue 64)
+    python benchmarks/bench_step.py --compile --quick     # a check that it runs, not a figure
 
 Every system trains the same model (same seed, same data; bench_planner's GPT-2 30M, GPT-2
 124M and Llama-style 60M) on CPU over gloo: global batch 4,
@@ -41,6 +43,18 @@ kept mapped, the setting hf_elixir itself makes on a CPU device, so that all sys
 one allocator setting (``--keep-host-memory all``). ``--keep-host-memory hf_elixir`` leaves
 DDP and FSDP2 with glibc's other defaults, as a user of them gets them (each system runs in
 ranks of its own, so none inherits hf_elixir's setting), to show what the setting is worth.
+
+Compiled (``--compile``, issue 64): ``ddp_compiled``, ``fsdp2_compiled`` and
+``hf_elixir_compiled`` beside the eager ``ddp``, ``fsdp2`` and ``hf_elixir``. All three
+compile the same region, each decoder layer's ``forward`` (inductor), its ``__call__`` and
+hooks eager: what hf_elixir's runtime compiles (runtime/compiled.py), what Accelerate's
+regional compilation compiles, and FSDP2 per block (``fully_shard`` on each layer, each
+layer compiled). The warm-up steps carry the compile. The summary's ``compile`` block per
+model: hf_elixir compiled over DDP compiled and over FSDP2 compiled (step-time ratios), and
+what compile gains each (eager step over compiled step), with dynamo's counters per system
+to show the compile ran. ``--quick``: gpt2-30m at 2 x 32 tokens, 2 warm-up and 2 timed
+steps, every system (eager FSDP2 left out) in the same two ranks (a check that it runs,
+not a figure).
 """
 
 from __future__ import annotations
@@ -157,10 +171,37 @@ def _root_share(model) -> Callable[[], dict]:
     return lambda: {"root_param_share": share, "best_bytes_ratio": 2 / (3 - share)}
 
 
-def setup_elixir(model, tensor_collectives: bool = False, recover_oom: bool = True, **plan_kwargs):
+def compile_blocks(model) -> None:
+    """Each decoder layer's ``forward`` compiled (inductor), its ``__call__`` and hooks
+    (DDP's none, FSDP2's gathers) eager: the region hf_elixir's runtime compiles, so the
+    compiled systems compare the same compiled code."""
+    for block in blocks_of(model):
+        block.forward = torch.compile(block.forward)
+
+
+def setup_ddp_compiled(model):
+    compile_blocks(model)
+    return setup_ddp(model)
+
+
+def setup_fsdp2_compiled(model):
+    """FSDP2 per block, then each block compiled (its hooks outside the compiled forward)."""
+    step, info = setup_fsdp2(model)
+    compile_blocks(model)
+    return step, info
+
+
+def setup_elixir_compiled(model):
+    """hf_elixir with ``ElixirModule(compile=True)``: each block's forward compiled."""
+    return setup_elixir(model, compile=True)
+
+
+def setup_elixir(model, tensor_collectives: bool = False, recover_oom: bool = True, compile: bool = False,
+                 **plan_kwargs):
     """hf_elixir with ElixirPlan.simple; plan_kwargs (e.g. offload_fraction) go to the plan;
     ``tensor_collectives``: NCCL's collectives instead of gloo's strategy; ``recover_oom``: the
-    runtime's out-of-memory recovery (on by default, as for users)."""
+    runtime's out-of-memory recovery (on by default, as for users); ``compile``: the
+    runtime's regional compile."""
     import hf_elixir as hfe
     from hf_elixir.planner import traffic
 
@@ -176,7 +217,7 @@ def setup_elixir(model, tensor_collectives: bool = False, recover_oom: bool = Tr
     if tensor_collectives:
         os.environ[traffic.COLLECTIVES_ENV] = "tensor"
     try:
-        em = hfe.ElixirModule(model, plan, recover_oom=recover_oom)
+        em = hfe.ElixirModule(model, plan, recover_oom=recover_oom, compile=compile or None)
     finally:
         os.environ.pop(traffic.COLLECTIVES_ENV, None)
     opt = hfe.ElixirOptimizer(em, torch.optim.AdamW(model.parameters(), lr=1e-4))
@@ -205,7 +246,21 @@ def setup_elixir_tensor(model):
 PACK_SIZE = 2_000_000
 
 SYSTEMS = {"ddp": setup_ddp, "fsdp2": setup_fsdp2, "fsdp2_reshard_all": setup_fsdp2_reshard_all,
-           "hf_elixir": setup_elixir, "hf_elixir_tensor": setup_elixir_tensor}
+           "hf_elixir": setup_elixir, "hf_elixir_tensor": setup_elixir_tensor,
+           "ddp_compiled": setup_ddp_compiled, "fsdp2_compiled": setup_fsdp2_compiled,
+           "hf_elixir_compiled": setup_elixir_compiled}
+#: what runs by default, and with --compile
+EAGER_SYSTEMS = ["ddp", "fsdp2", "fsdp2_reshard_all", "hf_elixir", "hf_elixir_tensor"]
+COMPILE_SYSTEMS = ["ddp", "ddp_compiled", "fsdp2", "fsdp2_compiled", "hf_elixir", "hf_elixir_compiled"]
+
+
+def dynamo_counts() -> dict:
+    """Dynamo's counters in this rank since they were last cleared: frames compiled,
+    distinct graphs, recompiles (all zero for an eager system)."""
+    from torch._dynamo.utils import counters
+
+    return {"frames_ok": counters["frames"]["ok"], "unique_graphs": counters["stats"]["unique_graphs"],
+            "recompiles": sum(counters["recompiles"].values())}
 
 
 def timed_step(step, ids) -> tuple[float, float]:
@@ -235,12 +290,17 @@ def timed_steps(step, rank: int, world: int, args, vocab: int) -> tuple[list[flo
 
 def run_system(name: str, model_name: str, args, systems: dict | None = None) -> dict:
     """Train one system (looked up in systems, default SYSTEMS) and time its steps."""
+    from torch._dynamo.utils import counters
+
     rank, world = dist.get_rank(), dist.get_world_size()
+    torch._dynamo.reset()  # systems sharing ranks (--quick) each compile their own code
+    counters.clear()
     model = build(model_name)
     vocab = model.config.vocab_size
     step, info = (SYSTEMS if systems is None else systems)[name](model)
     times, losses = timed_steps(step, rank, world, args, vocab)
-    out = {"median_step_s": statistics.median(times), "step_times_s": times, "losses": losses}
+    out = {"median_step_s": statistics.median(times), "step_times_s": times, "losses": losses,
+           "dynamo": dynamo_counts()}
     out["bytes_per_step"] = counted_step(step, info, rank, world, args.warmup + args.steps, args, vocab)
     if callable(info):
         out.update(info())
@@ -321,7 +381,7 @@ def summarise(results: dict, args) -> dict:
             }
             for key in ("n_chunks", "chunk_size", "rcache_blocks", "peak_device_bytes", "cache_stats",
                         "bytes_per_step", "runtime_bytes_per_step", "predicted_bytes_per_step",
-                        "root_param_share", "best_bytes_ratio"):
+                        "root_param_share", "best_bytes_ratio", "dynamo"):
                 if key in res:
                     rows[system][key] = res[key]
         for base_name in ("fsdp2", "fsdp2_reshard_all"):
@@ -334,8 +394,30 @@ def summarise(results: dict, args) -> dict:
                     rows[name][f"ratio_to_fsdp2{suffix}"] = rows[name]["median_step_s"] / base_row["median_step_s"]
                     rows[name][f"bytes_ratio_to_fsdp2{suffix}"] = (rows[name]["bytes_per_step"]["total"]
                                                                   / base_row["bytes_per_step"]["total"])
+        if "hf_elixir_compiled" in rows:
+            rows["compile"] = compile_summary(rows)
         summary[model_name] = rows
     return summary
+
+
+def compile_summary(rows: dict) -> dict:
+    """Issue 64's figures from one model's rows: hf_elixir compiled over DDP compiled and
+    over FSDP2 compiled (step-time ratios; the targets are at most 1.0 and 0.70), and what
+    compile gains DDP and hf_elixir (eager step / compiled step; hf_elixir's should be at
+    least DDP's). A figure whose rows did not run is None."""
+    def step(name: str) -> float | None:
+        return rows[name]["median_step_s"] if name in rows else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b is not None else None
+
+    ours = step("hf_elixir_compiled")
+    gain_elixir, gain_ddp = ratio(step("hf_elixir"), ours), ratio(step("ddp"), step("ddp_compiled"))
+    return {"hf_elixir_compiled_over_ddp_compiled": ratio(ours, step("ddp_compiled")),
+            "hf_elixir_compiled_over_fsdp2_compiled": ratio(ours, step("fsdp2_compiled")),
+            "compile_gain_hf_elixir": gain_elixir, "compile_gain_ddp": gain_ddp,
+            "compile_gain_fsdp2": ratio(step("fsdp2"), step("fsdp2_compiled")),
+            "gain_at_least_ddp": None if gain_elixir is None or gain_ddp is None else gain_elixir >= gain_ddp}
 
 
 def pyplot():
@@ -357,8 +439,9 @@ def plot(summary: dict, path: Path) -> None:
         return
     fig, axes = plt.subplots(1, len(summary), figsize=(5 * len(summary), 4), squeeze=False)
     for ax, (model_name, rows) in zip(axes[0], summary.items()):
-        names = list(rows)
-        ax.bar(names, [rows[n]["median_step_s"] for n in names], color=["#888", "#c66", "#e99", "#4a7", "#7a4"][: len(names)])
+        names = [n for n in rows if n != "compile"]
+        ax.bar(names, [rows[n]["median_step_s"] for n in names],
+               color=(["#888", "#c66", "#e99", "#4a7", "#7a4", "#46c"] * 2)[: len(names)])
         ax.set_title(f"{model_name}: median step (s)")
         for i, n in enumerate(names):
             r = rows[n]["ratio_to_ddp"]
@@ -420,7 +503,13 @@ def launch(args, systems: dict | None = None, target: Callable = None) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    p.add_argument("--systems", nargs="+", default=None, choices=list(SYSTEMS),
+                   help=f"default: {' '.join(EAGER_SYSTEMS)}; with --compile: {' '.join(COMPILE_SYSTEMS)}")
+    p.add_argument("--compile", action="store_true",
+                   help="compiled systems (each decoder layer compiled) beside their eager runs")
+    p.add_argument("--quick", action="store_true",
+                   help="gpt2-30m, 2 x 32 tokens, 2 warm-up and 2 timed steps, all systems in one pair of "
+                        "ranks: a check that it runs, not a figure")
     p.add_argument("--world-size", type=int, default=2)
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq-len", type=int, default=128)
@@ -430,9 +519,14 @@ def main() -> None:
     add_host_memory_option(p)
     p.add_argument("--output", type=Path, default=RESULTS / "bench_step.json")
     args = p.parse_args()
+    if args.systems is None:  # --quick leaves eager FSDP2 out: the compile figures do not need it
+        args.systems = [s for s in (COMPILE_SYSTEMS if args.compile else EAGER_SYSTEMS)
+                        if not (args.quick and args.compile and s == "fsdp2")]
+    if args.quick:
+        args.models, args.global_batch, args.seq_len, args.warmup, args.steps = ["gpt2-30m"], 2, 32, 2, 2
     if args.global_batch % args.world_size:
         sys.exit("--global-batch must be divisible by --world-size")
-    results = launch_each(args)
+    results = launch(args) if args.quick else launch_each(args)
     summary = summarise(results, args)
     record = {
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
@@ -446,12 +540,30 @@ def main() -> None:
     print(f"\n{'model':10s} {'system':16s} {'step s':>8s} {'tok/s':>8s} {'xDDP':>6s} {'xFSDP2':>7s} losses")
     for model_name, rows in summary.items():
         for system, row in rows.items():
+            if system == "compile":
+                continue
             xf = row.get("ratio_to_fsdp2")
             print(f"{model_name:10s} {system:16s} {row['median_step_s']:8.3f} {row['tokens_per_s']:8.0f} "
                   f"{row['ratio_to_ddp'] or 0:6.2f} {'' if xf is None else f'{xf:7.2f}'} "
                   f"{'equal' if row['losses_match'] else 'DIFFER'}")
     print_bytes(summary)
+    print_compile(summary)
     print(f"wrote {args.output}")
+
+
+def print_compile(summary: dict) -> None:
+    """The compile block of each model, in words (``compile_summary``)."""
+    def f(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    for model_name, rows in summary.items():
+        c = rows.get("compile")
+        if c is None:
+            continue
+        print(f"\ncompiled {model_name}: hf_elixir {f(c['hf_elixir_compiled_over_ddp_compiled'])}x DDP's step "
+              f"(target <= 1.0), {f(c['hf_elixir_compiled_over_fsdp2_compiled'])}x FSDP2's (target <= 0.70); "
+              f"compile gains hf_elixir {f(c['compile_gain_hf_elixir'])}x, DDP {f(c['compile_gain_ddp'])}x, "
+              f"FSDP2 {f(c['compile_gain_fsdp2'])}x")
 
 
 def print_bytes(summary: dict) -> None:
@@ -461,6 +573,8 @@ def print_bytes(summary: dict) -> None:
           + " ".join(f"{k:>14s}" for k in kinds) + f" {'total':>9s} {'xFSDP2':>7s} {'xFSDP2_all':>10s} {'best':>5s}")
     for model_name, rows in summary.items():
         for system, row in rows.items():
+            if system == "compile":
+                continue
             b = row["bytes_per_step"]
             ratios = [row.get("bytes_ratio_to_fsdp2"), row.get("bytes_ratio_to_fsdp2_reshard_all")]
             best = row.get("best_bytes_ratio")
