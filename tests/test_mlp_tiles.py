@@ -224,3 +224,24 @@ def test_the_searched_8b_plan_at_98k_tokens_carries_the_tiles(tmp_path, capsys) 
     p = ElixirPlan.from_json(out)
     assert p.mlp_tiles > 1 and p.mlp_tiles == p.predictions["long_context"]["mlp_tiles"]
     assert f"MLP over {p.mlp_tiles} sequence tiles" in p.summary() and f"MLP x{p.mlp_tiles}" in text
+
+
+def test_the_search_offers_no_tiles_where_an_mlp_routes_tokens() -> None:
+    """A routed MLP (a fetch unit: mixture-of-experts) is one the runtime refuses to tile, so
+    the search does not offer tiles for it; the same blocks without routing are offered them."""
+    from hf_elixir.planner import activations
+    from hf_elixir.profile import profile_model
+
+    config = tf.LlamaConfig(hidden_size=64, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096,
+                            tie_word_embeddings=False)
+    profile = profile_model(config, (1, 1024), dtype="float32", attention_target="cuda")
+
+    def offered(p) -> set[int]:
+        n_ck, n_pl = len(p.checkpointed.trace.events), len(p.plain.trace.events)
+        model = activations.model_of(p, [1e-3] * n_ck, [1e-3] * n_pl, 25e9, 25e9, 1e-5)
+        return {o.levers.mlp_tiles for o in model.options(recomputing=True, offload=True)}
+
+    assert max(offered(profile)) > 1
+    routed = dataclasses.replace(profile, fetch_units=[f"model.layers.{i}.mlp" for i in range(4)])
+    assert offered(routed) == {1}

@@ -45,7 +45,7 @@ from typing import Any, Callable, Sequence
 
 from hf_elixir.planner import cost
 from hf_elixir.planner.candidate import Candidate, chain, describe_runs, runs
-from hf_elixir.profile.blocks import PassBlocks, Stretch, block_figures
+from hf_elixir.profile.blocks import MLP_NAMES, PassBlocks, Stretch, block_figures
 
 #: MLP tile counts tried (1: the MLP runs whole)
 MLP_TILES = (1, 2, 4, 8, 16)
@@ -89,6 +89,8 @@ class ActivationModel:
         op_overhead: seconds per operator call (what an extra MLP tile pays per operator).
         op_counts: per event of the checkpointed pass, its operator calls.
         pieces_supported: whether the head is a causal-LM head the runtime can run in pieces.
+        tiles_supported: whether the runtime can tile the blocks' MLPs (not where an MLP
+            routes tokens: a fetch unit, which ``runtime/mlp_tiles.py`` refuses to tile).
     """
 
     ckpt: PassBlocks
@@ -101,6 +103,7 @@ class ActivationModel:
     op_overhead: float
     op_counts: Sequence[int]
     pieces_supported: bool = True
+    tiles_supported: bool = True
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -249,7 +252,7 @@ class ActivationModel:
                 pieces.append(p)
                 p *= 2
         has_mlp = any(b.backward.has_mlp for b in self.ckpt.blocks)
-        tiles = MLP_TILES if has_mlp and recomputing else (1,)
+        tiles = MLP_TILES if has_mlp and recomputing and self.tiles_supported else (1,)
         tail = max(self.ckpt.tail_top, self.plain.tail_top)
         priced: list[Priced] = []
         for pol in policies:
@@ -284,8 +287,10 @@ def model_of(profile, ckpt_times: Sequence[float], plain_times: Sequence[float],
     if ck is None or pl is None or len(ck.blocks) != len(pl.blocks) or len(ck.blocks) < 2:
         return None
     counts = [w.ops for w in profile.checkpointed.trace.work]
+    routed = any(set(u.split(".")) & set(MLP_NAMES) for u in profile.fetch_units)  # a routed MLP
     return ActivationModel(ck, pl, ckpt_times, plain_times, profile.seq_len, h2d, d2h, op_overhead, counts,
-                           pieces_supported=profile.extra.get("vocab_size") is not None)
+                           pieces_supported=profile.extra.get("vocab_size") is not None,
+                           tiles_supported=not routed)
 
 
 def variants(cands: list[Candidate], model: ActivationModel, offload: bool,

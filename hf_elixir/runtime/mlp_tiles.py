@@ -12,7 +12,8 @@ newer, so one tile's intermediate exists at a time, in either pass.
 
 Which module is the MLP (a generic rule; the runtime does not import transformers): in each
 checkpointable block (``block_policies.checkpointing_blocks``: the decoder layers), the
-direct child named one of ``MLP_NAMES`` (``mlp`` in Llama, Mistral, Qwen, Gemma, Phi, GPT-2;
+direct child named one of ``profile.blocks.MLP_NAMES``, the names whose rise the planner
+divides by the tile count (``mlp`` in Llama, Mistral, Qwen, Gemma, Phi, GPT-2;
 ``feed_forward`` in Llama 4 and others; ``ffn``). It is tiled only when its forward takes one
 argument (the hidden states) and it is not a fetch unit (a block with routing, as a
 mixture-of-experts layer: its router's outputs are recorded per call and its experts run
@@ -44,10 +45,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hf_elixir.planner.record import ElixirPlan, PlanError
+from hf_elixir.profile.blocks import MLP_NAMES  # the names the profiler marks (and the planner tiles)
 from hf_elixir.runtime.block_policies import checkpointing_blocks
-
-#: the names decoder blocks give their position-wise sublayer
-MLP_NAMES: tuple[str, ...] = ("mlp", "feed_forward", "ffn")
 
 
 def find_mlps(model: nn.Module) -> dict[str, tuple[str, nn.Module]]:
