@@ -115,6 +115,29 @@ def test_one_rank_equals_the_whole_mlp_with_one_tile_alive(checkpointing) -> Non
     assert_equal_grads(grads, want["grads"])
 
 
+def test_compiled_blocks_run_their_mlp_in_tiles() -> None:
+    """Each decoder layer compiled (aot_eager: the real operators, which the tracker sees),
+    the hooks outside: the tiles and their checkpoints trace into the block's graph, and the
+    loss and gradients are still the whole MLP's."""
+    ids = tokens()
+    want = reference(ids)
+    torch._dynamo.reset()
+    try:
+        model = llama()
+        emodel = hfe.ElixirModule(model, tiled_plan(model), compile="aot_eager")
+        with LargestIntermediate(INTER) as seen:
+            out = emodel(input_ids=ids, labels=ids)
+            out.loss.backward()
+    finally:
+        torch._dynamo.reset()
+    assert emodel.compiled.unit_names == ["model.layers.0", "model.layers.1"]
+    assert 0 < seen.backward <= seen.largest <= SEQ // TILES * INTER
+    assert abs(out.loss.item() - want["loss"]) <= FP32_TOL * want["loss"]
+    grads = {s.name: c.grad_shard[s.offset:s.offset + s.numel].view(s.shape).clone()
+             for c in emodel.chunks for s in c.slots}
+    assert_equal_grads(grads, want["grads"], exact=False)
+
+
 def test_untiled_plan_leaves_the_mlp_whole() -> None:
     """mlp_tiles=1 wires nothing: the MLP's intermediate is whole, as the model makes it."""
     model = llama()
