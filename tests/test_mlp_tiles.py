@@ -115,6 +115,27 @@ def test_one_rank_equals_the_whole_mlp_with_one_tile_alive(checkpointing) -> Non
     assert_equal_grads(grads, want["grads"])
 
 
+@pytest.mark.parametrize("first,largest", [("recompute_offload", SEQ // TILES * INTER), ("offload", SEQ * INTER)])
+def test_block_policies_with_tiles(first, largest) -> None:
+    """The first block's input offloaded (the 8B plan's policy): its MLP is tiled too. The
+    first block offloaded without recompute: its MLP runs whole (what it saves goes to the
+    host), the other block's in tiles. Loss and gradients are the whole MLP's either way."""
+    ids = tokens()
+    want = reference(ids)
+    model = llama()
+    plan = dataclasses.replace(tiled_plan(model), block_policies={"model.layers.0": first,
+                                                                 "model.layers.1": "recompute"})
+    emodel = hfe.ElixirModule(model, plan)
+    with LargestIntermediate(INTER) as seen:
+        out = emodel(input_ids=ids, labels=ids)
+        out.loss.backward()
+    assert seen.largest == largest
+    assert out.loss.item() == want["loss"]
+    grads = {s.name: c.grad_shard[s.offset:s.offset + s.numel].view(s.shape).clone()
+             for c in emodel.chunks for s in c.slots}
+    assert_equal_grads(grads, want["grads"])
+
+
 def test_compiled_blocks_run_their_mlp_in_tiles() -> None:
     """Each decoder layer compiled (aot_eager: the real operators, which the tracker sees),
     the hooks outside: the tiles and their checkpoints trace into the block's graph, and the
