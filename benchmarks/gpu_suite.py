@@ -47,9 +47,18 @@ the sections after it two by two), so CI's two cores are both busy:
    chunk hooks outside the compiled code); tokens/s after the warm-up steps (which carry the
    compile), ``vs_plain`` against the plain compiled Trainer, the target (``target_vs_plain``,
    0.95) and, on a GPU, whether it is met; dynamo's counters from each run show that compile
-   ran. Last, since compiling costs a minute or two of the deadline: ``--sections
+   ran. Late, since compiling costs a minute or two of the deadline: ``--sections
    trainer_compiled`` runs it alone.
-9. fidelity: the plan's predicted peak memory and step time against the measured ones,
+9. long_context (issue 61): a Llama-2-7B-shaped LoRA fine-tune (r 16, bf16, batch 1; no
+   bitsandbytes on the GPU machine) at the longest sequence the plan allows under the 24 GiB
+   cap (``planner/longest.py``, probes in steps of 4,096 tokens from 16,384, as
+   ``hf-elixir plan --seq-len max --lora-r 16`` searches), then 1 warm-up and 2 timed steps
+   with that plan (its block policies: inputs offloaded, logits in pieces): the measured
+   peak (``torch.cuda.max_memory_allocated``) and step against the plan's (``peak_ratio``,
+   ``step_ratio``). Last, since it takes minutes: ``--sections long_context`` runs it alone.
+   A dry run plans and trains a two-block Llama on the CPU (one probe, 512 tokens), where the
+   measured peak is the runtime's ledger, not comparable to a device's.
+10. fidelity: the plan's predicted peak memory and step time against the measured ones,
    for hf_elixir in sections 2 and 4.
 
 Results: ``benchmarks/results/gpu_suite.json`` (``--out`` elsewhere; a dry run writes to a
@@ -97,7 +106,8 @@ GPU_SETTINGS = {
     # deadline leaves it less than its least
     "timeouts": {"smoke": (100, 60), "smoke_torchrun": (60, 30), "hf_elixir": (100, 45), "fsdp2": (100, 40),
                  "deepspeed": (130, 60), "mfu": (75, 40), "scale": (170, 90), "recovery": (100, 45),
-                 "disk_tier": (120, 45), "trainer": (90, 40), "trainer_compiled": (240, 120)},
+                 "disk_tier": (120, 45), "trainer": (90, 40), "trainer_compiled": (240, 120),
+                 "long_context": (420, 200)},
     # how long the offload section waits, after the smoke test, for DeepSpeed's CPU Adam to compile
     "cpu_adam_build_wait_s": 60,
     "smoke_archs": ["gpt2", "llama"], "smoke_plans": ["a_all_device", "b_rcache2", "c_half_optim_cpu",
@@ -111,6 +121,9 @@ GPU_SETTINGS = {
     # the same script compiled (torch_compile=True), plain and under hf-elixir launch
     "trainer_compiled": {"model": GPT2_SMALL, "batch": 8, "seq": 512, "warmup": 10, "steps": 40,
                          "offloads": ["none"], "target_vs_plain": 0.95},
+    # issue 61: the longest sequence a 7B LoRA plan allows under the cap, trained with that plan
+    "long_context": {"model": {"name": "llama-2-7b", "known": "llama-2-7b"}, "lora_r": 16, "granule": 4096,
+                     "start": 16384, "limit": 131072, "warmup": 1, "steps": 2},
 }
 TINY = dict(vocab_size=512, bos_token_id=0, eos_token_id=0)
 TINY_GPT2 = {"name": "gpt2-tiny", "family": "gpt2", "kwargs": dict(TINY, n_layer=2, n_embd=64, n_head=4, n_positions=64)}
@@ -128,13 +141,18 @@ DRY_SETTINGS = {
     "squeeze": [0.8, 0.65],
     "timeouts": {"smoke": (120, 20), "smoke_torchrun": (90, 20), "hf_elixir": (90, 20), "fsdp2": (90, 20),
                  "deepspeed": (120, 20), "mfu": (90, 20), "scale": (90, 20), "recovery": (90, 20),
-                 "disk_tier": (120, 20), "trainer": (150, 30), "trainer_compiled": (240, 60)},
+                 "disk_tier": (120, 20), "trainer": (150, 30), "trainer_compiled": (240, 60),
+                 "long_context": (180, 30)},
     "cpu_adam_build_wait_s": 240,
     "smoke_archs": ["gpt2"], "smoke_plans": ["a_all_device", "d_all_cpu"],
     "disk_tier": {"quick": True},
     "trainer": {"model": TINY_GPT2, "batch": 2, "seq": 32, "warmup": 2, "steps": 3, "offloads": ["none"]},
     "trainer_compiled": {"model": TINY_GPT2, "batch": 2, "seq": 32, "warmup": 2, "steps": 3,
                          "offloads": ["none"], "target_vs_plain": 0.95},
+    "long_context": {"model": {"name": "llama-tiny-long", "family": "llama",
+                               "kwargs": dict(TINY_LLAMA, hidden_size=64, intermediate_size=128,
+                                              max_position_embeddings=512)},
+                     "lora_r": 8, "granule": 256, "start": 512, "limit": 512, "warmup": 1, "steps": 1},
 }
 
 
@@ -349,9 +367,18 @@ def section_disk_tier(runner: Runner, s: dict) -> dict:
     return runner.run(job, s["timeouts"]["disk_tier"])
 
 
+def section_long_context(runner: Runner, s: dict) -> dict:
+    """A LoRA fine-tune at the longest sequence its plan allows under the cap, trained with
+    that plan: measured peak and step against the plan's (issue 61)."""
+    job = {"job": "long_context", "device": s["device"], "cap_bytes": s["cap_bytes"], "dtype": s["dtype"],
+           **s["long_context"]}
+    return runner.run(job, s["timeouts"]["long_context"])
+
+
 #: the sections after the smoke test, the most telling first: what the deadline cuts is last
 SECTIONS = {"offload_24g": section_offload, "trainer": section_trainer, "scale": section_scale, "mfu": section_mfu,
-            "recovery": section_recovery, "disk_tier": section_disk_tier, "trainer_compiled": section_trainer_compiled}
+            "recovery": section_recovery, "disk_tier": section_disk_tier, "trainer_compiled": section_trainer_compiled,
+            "long_context": section_long_context}
 
 
 def not_run(name: str, why: str) -> Any:
@@ -453,6 +480,17 @@ def summary_lines(results: dict) -> list[str]:
                          f"bit-identical {r['weights_match_host']}, losses {r['losses_match_host']}")
         else:
             lines.append(f"{'disk_tier':12s} {'hf_elixir':18s} {r.get('status', ''):8s} {r.get('error', '')[:60]}")
+    r = results.get("long_context", {})
+    if r:
+        if r.get("status") == "ok":
+            plan = r["plan"]
+            lines.append(f"{'long_ctx':12s} {str(r['model'])[:18]:18s} ok       {r['tokens_per_s']:9.0f} "
+                         f"{r['median_step_s']:7.3f} {_gib(r['measured_peak_bytes']):>8s}  {r['seq_len']} tokens, "
+                         f"peak measured/predicted {r['peak_ratio'] or 0:.2f}, step {r['step_ratio'] or 0:.2f}, "
+                         f"policies {plan['block_policies'] or '-'}, logit pieces {plan['logit_piece_tokens']}")
+        else:
+            lines.append(f"{'long_ctx':12s} {str(r.get('model', ''))[:18]:18s} {r.get('status', ''):8s} "
+                         f"{str(r.get('error', ''))[:60]}")
     for row in results.get("fidelity", []):
         lines.append(f"fidelity {row['section']:11s} peak measured/predicted {row['peak_ratio'] or 0:.2f}, "
                      f"step {row['step_ratio'] or 0:.2f}  ({row['peak_source']})")

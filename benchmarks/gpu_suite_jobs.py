@@ -22,6 +22,13 @@ A job is a JSON object with a ``job`` key:
   half of the trainable chunks' optimizer state on disk over the host tier's, and whether
   the two trained to the same weights and losses bit for bit.
 
+- ``long_context``: a Llama-style LoRA fine-tune (bf16, batch 1; issue 61) at the longest
+  sequence the plan allows under the job's cap (``planner/longest.py``, each probe a whole
+  plan of the PEFT model, as ``hf-elixir plan --seq-len max --lora-r N`` makes it), trained
+  for warm-up + timed steps with that plan (its block policies and logit pieces); the
+  measured peak (``torch.cuda.max_memory_allocated``; on a CPU the runtime's
+  ``memory_report()["peak_total"]``) and median step against the plan's predictions.
+
 The result (always a JSON object with ``status``: ok, oom, infeasible (no plan fits), failed,
 error) is written to
 the result path, so a crash after that point loses nothing; an out-of-memory error is a
@@ -31,6 +38,7 @@ result, not a failure of the job.
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import socket
@@ -591,10 +599,88 @@ def run_smoke(job: dict) -> dict:
     return out
 
 
+def lora_of(model: nn.Module, r: int) -> nn.Module:
+    """The PEFT fine-tune the planner's ``meta_lora_model`` describes: the same targets
+    (``default_lora_targets``), ``lora_alpha`` 2 r, no dropout; the base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    from hf_elixir.profile.lora import default_lora_targets
+
+    config = LoraConfig(r=r, lora_alpha=2 * r, target_modules=default_lora_targets(model), lora_dropout=0.0)
+    return get_peft_model(model, config)
+
+
+def run_long_context(job: dict) -> dict:
+    """The longest sequence whose plan fits the cap, then that plan trained (see the module
+    docstring): the plan's block policies, logit pieces and predictions beside the measured
+    peak and step time."""
+    import hf_elixir as hfe
+    from hf_elixir.planner.longest import longest_sequence, probe_with
+    from hf_elixir.profile import profile_model
+    from hf_elixir.profile.lora import meta_lora_model
+
+    device = device_and_cap(job)
+    out: dict[str, Any] = {"model": job["model"].get("name"), "device": str(device), "lora_r": job["lora_r"]}
+    if device.type == "cuda":
+        out["gpu"] = torch.cuda.get_device_name(device)
+    hw = hfe.HardwareProfile.detect()
+    cfg = make_config(job["model"])
+    budget = job.get("cap_bytes") or hw.device_memory
+
+    def plan_at(seq: int):
+        prof = profile_model(cfg, (1, seq), dtype=job["dtype"], attention_target=device.type,
+                             build=lambda c: meta_lora_model(c, job["lora_r"], dtype=job["dtype"]))
+        return hfe.plan(cfg, (1, seq), hardware=hw, world_size=1, dtype=job["dtype"], memory_budget=budget,
+                        profile=prof, efficiency="calibrated")
+
+    t0 = time.perf_counter()
+    found = longest_sequence(probe_with(plan_at), budget, granule=job["granule"], start=job["start"],
+                             limit=job["limit"])
+    out["probes"] = [{"seq_len": p.seq_len, "fits": p.fits} for p in found.probes]
+    out["plan_s"] = time.perf_counter() - t0
+    if found.best is None:  # an answer (nothing fits this cap), not a failure
+        return dict(out, status="infeasible", error=found.beyond.error[:600] if found.beyond else "no probe")
+    plan, seq = found.best.plan, found.best.seq_len
+    policies = list(plan.block_policies.values()) if plan.block_policies else []
+    out["plan"] = {"seq_len": seq, "summary": plan.summary(), "predicted_peak_bytes": plan.predictions.get("peak_bytes"),
+                   "predicted_step_s": predicted_batch_step(plan), "logit_piece_tokens": plan.logit_piece_tokens,
+                   "block_policies": {p: policies.count(p) for p in sorted(set(policies))},
+                   "activation_checkpointing": plan.activation_checkpointing, "hardware": hw.name}
+    model = lora_of(build_model(job["model"], torch.bfloat16 if job["dtype"] == "bf16" else torch.float32),
+                    job["lora_r"])
+    em = hfe.ElixirModule(model, plan, device=device)
+    opt = hfe.ElixirOptimizer(em, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4))
+    step = elixir_step(em, opt)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, losses = [], []
+    for i in range(job["warmup"] + job["steps"]):
+        ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=torch.Generator().manual_seed(i))
+        sync()
+        t0 = time.perf_counter()
+        losses.append(float(step(ids).detach().float().cpu()))
+        sync()
+        if i >= job["warmup"]:
+            times.append(time.perf_counter() - t0)
+    report = em.memory_report()
+    if device.type == "cuda":
+        measured, source = torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    else:
+        measured, source = report["peak_total"], "memory_report() peak_total"
+    predicted = out["plan"]["predicted_peak_bytes"]
+    median = statistics.median(times)
+    out.update(status="ok", seq_len=seq, step_times_s=times, median_step_s=median, tokens_per_s=seq / median,
+               losses=losses, finite=all(math.isfinite(x) for x in losses), measured_peak_bytes=measured,
+               peak_source=source, peak_ratio=measured / predicted if predicted else None,
+               step_ratio=median / out["plan"]["predicted_step_s"] if out["plan"]["predicted_step_s"] else None,
+               activation_offload=report.get("activation_offload"))
+    return out
+
+
 def main() -> None:
     job, result_path = json.loads(sys.argv[1]), Path(sys.argv[2])
     try:
-        runs = {"smoke": run_smoke, "recovery": run_recovery, "disk_tier": run_disk_tier, "trainer": run_trainer}
+        runs = {"smoke": run_smoke, "recovery": run_recovery, "disk_tier": run_disk_tier, "trainer": run_trainer,
+                "long_context": run_long_context}
         result = runs.get(job["job"], run_train)(job)
     except torch.cuda.OutOfMemoryError as exc:
         result = {"status": "oom", "error": str(exc).split("\n")[0][:400]}

@@ -127,3 +127,15 @@ def test_gpu_suite_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert c_elixir["time_report"]["measured"]["step"] > 0
     assert "breakdown trainer_compiled gpt2-tiny:" in proc.stdout and "(target 0.95x)" in proc.stdout
     assert proc.stdout.count("step time by phase (mean of") == 4 + len(scale["tried"])
+
+    # issue 61, point 5: a LoRA fine-tune at the longest sequence its plan allows, trained with
+    # that plan; on a CPU with no cap the one probe fits, and the peak is the runtime's ledger
+    long = data["long_context"]
+    assert long["status"] == "ok", f"{long.get('error')}\n{long.get('traceback', '')}"
+    wanted = data["settings"]["long_context"]
+    assert long["seq_len"] == long["plan"]["seq_len"] == wanted["limit"] and long["probes"][-1]["fits"]
+    assert len(long["step_times_s"]) == wanted["steps"] and len(long["losses"]) == wanted["warmup"] + wanted["steps"]
+    assert long["finite"] and long["measured_peak_bytes"] > 0 and long["plan"]["predicted_peak_bytes"] > 0
+    assert long["peak_ratio"] == long["measured_peak_bytes"] / long["plan"]["predicted_peak_bytes"]
+    assert long["step_ratio"] > 0 and long["peak_source"] == "memory_report() peak_total"
+    assert "long_ctx" in proc.stdout and f"{wanted['limit']} tokens" in proc.stdout
