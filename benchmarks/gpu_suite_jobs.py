@@ -642,7 +642,8 @@ def run_long_context(job: dict) -> dict:
         return dict(out, status="infeasible", error=found.beyond.error[:600] if found.beyond else "no probe")
     plan, seq = found.best.plan, found.best.seq_len
     policies = list(plan.block_policies.values()) if plan.block_policies else []
-    out["plan"] = {"seq_len": seq, "summary": plan.summary(), "predicted_peak_bytes": plan.predictions.get("peak_bytes"),
+    out["plan"] = {"seq_len": seq, "summary": plan.summary(),
+                   "predicted_peak_bytes": plan.predictions.get("peak_bytes"),
                    "predicted_step_s": predicted_batch_step(plan), "logit_piece_tokens": plan.logit_piece_tokens,
                    "block_policies": {p: policies.count(p) for p in sorted(set(policies))},
                    "activation_checkpointing": plan.activation_checkpointing, "hardware": hw.name}
