@@ -5,6 +5,7 @@ the policies in ``hf-elixir plan``'s table and ``--seq-len max``."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import time
 
 import pytest
@@ -96,14 +97,22 @@ def test_offloaded_inputs_peak_is_the_trace_less_what_waits_on_the_host(tiny_pro
 
 
 def test_logit_pieces_keep_one_piece_of_the_head(tiny_profile):
-    """Logits in pieces: the head's rise (the whole logits' cost in the trace) shrinks to one
-    piece's share plus the head's input and its gradient, whole; the step pays the head's
-    forward once more (the logits recomputed piece by piece)."""
+    """Logits in pieces: the head's rise (the whole logits' cost in the trace) gives way to
+    what runtime/logit_pieces.py allocates: one piece's logits and an fp32 tensor of their
+    shape (fp32 here), the head's input and its gradient whole, and, the head training, its
+    weight's fp32 gradient sum and the gradient handed on. The step pays the head's forward
+    once more (the logits recomputed piece by piece)."""
     model = _model(tiny_profile)
     pol = ("recompute",) * model.n
     whole, pieces = model.head_peak(pol, 0), model.head_peak(pol, 256)
-    rise = model.ckpt.head_rise
-    assert whole - pieces == pytest.approx(rise - (rise * 256 / 1024 + 2 * model.hidden_bytes))
+    vocab = tiny_profile.extra["vocab_size"]
+    head = [p for p in tiny_profile.params if p.shape[0] == vocab][-1]
+    assert tiny_profile.dtype == "float32" and not head.frozen
+    held = 256 * vocab * (4 + 4) + 2 * model.hidden_bytes + head.numel * (4 + 4)
+    assert whole - pieces == pytest.approx(model.ckpt.head_rise - held)
+    assert pieces < whole
+    frozen = replace(model, head_grad_numel=0)
+    assert model.head_peak(pol, 256) - frozen.head_peak(pol, 256) == 8 * head.numel
     assert model.time_change(Levers(pol, 256))[0] > 0
 
 

@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from hf_elixir.planner import cost
+from hf_elixir.vocab import DTYPE_BYTES
 from hf_elixir.planner.candidate import Candidate, chain, describe_runs, runs
 from hf_elixir.profile.blocks import MLP_NAMES, PassBlocks, Stretch, block_figures
 
@@ -91,6 +92,11 @@ class ActivationModel:
         pieces_supported: whether the head is a causal-LM head the runtime can run in pieces.
         tiles_supported: whether the runtime can tile the blocks' MLPs (not where an MLP
             routes tokens: a fetch unit, which ``runtime/mlp_tiles.py`` refuses to tile).
+        vocab: the head's outputs per token (0: unknown, pieces not offered).
+        tokens: the tokens one step scores (batch × sequence): a piece is that many at most.
+        compute_bytes: bytes of one element in the compute dtype (the logits' dtype).
+        head_grad_numel: elements of the head's weight when it trains (0 when it is frozen,
+            as under LoRA): backward then sums its gradient over the pieces.
     """
 
     ckpt: PassBlocks
@@ -104,6 +110,10 @@ class ActivationModel:
     op_counts: Sequence[int]
     pieces_supported: bool = True
     tiles_supported: bool = True
+    vocab: int = 0
+    tokens: int = 0
+    compute_bytes: int = 4
+    head_grad_numel: int = 0
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -175,10 +185,24 @@ class ActivationModel:
         recomputes = any(p in ("recompute", "recompute_offload") for p in policies)
         rise = max(self.ckpt.head_rise, self.plain.head_rise) if recomputes else self.plain.head_rise
         if piece:
-            # one piece's share of the head's rise, and two whole hidden states: the final
-            # norm's output (the head's input) and its gradient, which the pieces fill
-            rise = rise * min(1.0, piece / self.seq_len) + 2 * self.hidden_bytes
+            rise = self.pieces_rise(piece)
         return self.ckpt.before + held + last + rise
+
+    def pieces_rise(self, piece: int) -> float:
+        """What ``runtime/logit_pieces.py`` holds above the last block while the head and
+        the loss run in pieces of ``piece`` scored tokens, counted from what it allocates
+        (not scaled from the whole head's rise, which holds three logit-sized tensors):
+        - one piece's logits in the compute dtype beside an fp32 tensor of the same shape
+          (the log-softmax in forward, the softmax and the logits' gradient in backward),
+          plus the fp32 copy of the logits the loss makes when they are not fp32 already;
+        - two whole hidden states: the final norm's output (the head's input) and its
+          gradient, which the pieces fill;
+        - when the head's weight trains, its gradient's fp32 sum and the gradient handed on
+          from it (the runtime's copy of it in fp32, the cast in a lower dtype)."""
+        elements = min(piece, self.tokens or piece) * self.vocab
+        per_element = self.compute_bytes + 4 + (4 if self.compute_bytes != 4 else 0)
+        weight = self.head_grad_numel * (4 + self.compute_bytes)
+        return elements * per_element + 2 * self.hidden_bytes + weight
 
     def peak(self, levers: Levers) -> float:
         tail = max(self.ckpt.tail_top, self.plain.tail_top)
@@ -288,9 +312,19 @@ def model_of(profile, ckpt_times: Sequence[float], plain_times: Sequence[float],
         return None
     counts = [w.ops for w in profile.checkpointed.trace.work]
     routed = any(set(u.split(".")) & set(MLP_NAMES) for u in profile.fetch_units)  # a routed MLP
+    vocab = profile.extra.get("vocab_size") or 0
     return ActivationModel(ck, pl, ckpt_times, plain_times, profile.seq_len, h2d, d2h, op_overhead, counts,
-                           pieces_supported=profile.extra.get("vocab_size") is not None,
-                           tiles_supported=not routed)
+                           pieces_supported=bool(vocab), tiles_supported=not routed, vocab=vocab,
+                           tokens=profile.batch_size * profile.seq_len,
+                           compute_bytes=DTYPE_BYTES[profile.dtype], head_grad_numel=_head_grad_numel(profile, vocab))
+
+
+def _head_grad_numel(profile, vocab: int) -> int:
+    """Elements of the LM head's weight when it trains, else 0. The head is the last
+    parameter with one row per vocabulary entry (Transformers registers the head after the
+    blocks; a tied head is the embedding, listed once)."""
+    heads = [p for p in profile.params if len(p.shape) == 2 and vocab and p.shape[0] == vocab]
+    return 0 if not heads or heads[-1].frozen else heads[-1].numel
 
 
 def variants(cands: list[Candidate], model: ActivationModel, offload: bool,
