@@ -197,8 +197,9 @@ class ActivationModel:
           plus the fp32 copy of the logits the loss makes when they are not fp32 already;
         - two whole hidden states: the final norm's output (the head's input) and its
           gradient, which the pieces fill;
-        - when the head's weight trains, its gradient's fp32 sum and the gradient handed on
-          from it (the runtime's copy of it in fp32, the cast in a lower dtype)."""
+        - when the head's weight trains, its gradient's fp32 sum and one more tensor of the
+          weight's shape: one piece's product before it is added in (fp32; seen at the peak
+          of bench_long_context on a CPU) or the sum cast to a lower compute dtype."""
         elements = min(piece, self.tokens or piece) * self.vocab
         per_element = self.compute_bytes + 4 + (4 if self.compute_bytes != 4 else 0)
         weight = self.head_grad_numel * (4 + self.compute_bytes)
